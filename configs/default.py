@@ -1,0 +1,72 @@
+"""The embedded default: numbers in digits -> words in English, German and French.
+
+Generated locally (no download); a small Transformer learns it on 2 CPU cores
+in a few minutes. `python train.py` uses this config.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+
+    config.model = m = ml_collections.ConfigDict()
+    m.vocab_size = 256  # replaced by the trained tokenizer's size
+    m.target_vocab_size = None  # None: one vocabulary for source and target
+    m.share_embeddings = True  # tie encoder, decoder and softmax embeddings (§3.4)
+    m.tie_output_embedding = True  # decoder embedding doubles as softmax weights
+    m.d_model = 128  # model width
+    m.num_heads = 4  # attention heads h
+    m.d_kv = None  # per-head size; None: d_model // num_heads
+    m.d_ff = 512  # feed-forward hidden size
+    m.num_encoder_layers = 3  # encoder depth N
+    m.num_decoder_layers = 3  # decoder depth N
+    m.dropout_rate = 0.1  # P_drop on sub-layer outputs and embedding sums
+    m.attention_dropout_rate = 0.0  # dropout on attention weights
+    m.max_len = 64  # table size for learned positions
+    m.positions = "sinusoidal"  # sinusoidal | learned | none
+    m.norm = "post"  # post (paper) | pre
+    m.activation = "relu"  # relu | gelu
+    m.attention_impl = "vmap"  # vmap (per-head core) | fast (jax.nn.dot_product_attention)
+    m.layer_norm_epsilon = 1e-6  # LayerNorm epsilon
+    m.dtype = "float32"  # compute dtype
+    m.param_dtype = "float32"  # parameter dtype
+
+    config.data = d = ml_collections.ConfigDict()
+    d.dataset = "number_words"  # the generated task (see flaxformer_lite/data/numbers.py)
+    d.tfds_dir = ""  # where TFDS prepares data; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    d.languages = ("en", "de", "fr")  # num2words language codes
+    d.max_number = 9999  # numbers 0..max_number in every language
+    d.seed = 0  # seed of the train/validation/test assignment
+    d.valid_fraction = 0.05  # share of (language, number) pairs held out for validation
+    d.test_fraction = 0.05  # share held out for the final test
+    d.vocab_size = 256  # SentencePiece vocabulary size (shared source/target)
+    d.vocab_model_type = "unigram"  # unigram | bpe
+    d.max_source_len = 10  # source tokens incl. EOS (longer are truncated)
+    d.max_target_len = 16  # target tokens incl. EOS
+
+    config.optim = o = ml_collections.ConfigDict()
+    o.schedule = "rsqrt"  # rsqrt (paper §5.3) | constant | cosine
+    o.learning_rate = 0.5  # rsqrt: multiplier of the paper's rate; else the peak rate
+    o.warmup_steps = 400  # linear warm-up steps
+    o.b1 = 0.9  # Adam beta1
+    o.b2 = 0.98  # Adam beta2
+    o.eps = 1e-9  # Adam epsilon
+    o.weight_decay = 0.0  # decoupled weight decay (AdamW) when > 0
+    o.grad_clip_norm = 0.0  # global-norm clipping when > 0
+
+    config.train = t = ml_collections.ConfigDict()
+    t.seed = 0  # parameter init and dropout
+    t.batch_size = 128  # examples per step
+    t.num_steps = 3000  # total optimiser steps
+    t.label_smoothing = 0.1  # eps_ls
+    t.log_every = 50  # steps between train-metric records
+    t.eval_every = 1000  # steps between validation evaluations (0: only at the end)
+    t.eval_max_batches = 0  # batches per intermediate evaluation (0: the whole split)
+    t.eval_batch_size = 256  # examples per eval batch
+    t.checkpoint_every = 500  # steps between checkpoints
+    t.keep_checkpoints = 3  # most recent checkpoints kept
+    t.num_examples_to_print = 8  # test examples printed at the end
+    t.progress_bar = True  # tqdm bar on stderr
+    t.tensorboard = True  # also write TensorBoard event files
+    return config

@@ -1,0 +1,245 @@
+"""Scaled dot-product attention, its masks, and multi-head attention.
+
+Einsum letter legend used throughout the project:
+  B batch, T query length, S key/value length, D d_model, N heads,
+  H per-head dim (d_k = d_v), F feed-forward dim, V vocabulary.
+
+The core (`scaled_dot_product_attention`) is written for ONE example and ONE
+head, exactly as the formula softmax(QK^T / sqrt(d_k)) V of Vaswani et al.
+§3.2.1, and batched over heads and examples with `jax.vmap`. Masks are boolean
+(True = may attend) and are applied before the softmax with the most negative
+float32, so masked weights are exactly 0.0 after it.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.config import TransformerConfig
+
+PAD_ID = 0  # reserved: never a real token
+
+
+# ----------------------------------------------------------------------------
+# Masks. All are bool, True where a query may attend to a key.
+# ----------------------------------------------------------------------------
+
+
+def padding_mask(query_tokens: jax.Array, key_tokens: jax.Array) -> jax.Array:
+    """Masks whole key columns that hold padding.
+
+    Args:
+      query_tokens: int[batch, q_len] (only its length is used).
+      key_tokens: int[batch, kv_len], PAD_ID marks padding.
+    Returns:
+      bool[batch, q_len, kv_len].
+    """
+    keep = key_tokens != PAD_ID  # [B, S]
+    return jnp.broadcast_to(
+        keep[:, None, :], (key_tokens.shape[0], query_tokens.shape[1], key_tokens.shape[1])
+    )
+
+
+def causal_mask(length: int) -> jax.Array:
+    """Lower-triangular mask: position t attends to positions <= t. bool[length, length]."""
+    return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+
+
+def decoder_self_mask(decoder_tokens: jax.Array) -> jax.Array:
+    """Causal AND padding mask for decoder self-attention.
+
+    Args:
+      decoder_tokens: int[batch, length] decoder inputs (BOS + target prefix).
+    Returns:
+      bool[batch, length, length].
+    """
+    return padding_mask(decoder_tokens, decoder_tokens) & causal_mask(decoder_tokens.shape[1])[None]
+
+
+def cross_mask(decoder_tokens: jax.Array, encoder_tokens: jax.Array) -> jax.Array:
+    """Rectangular decoder-queries x encoder-keys mask: padding of the source only.
+
+    Returns:
+      bool[batch, dec_len, enc_len].
+    """
+    return padding_mask(decoder_tokens, encoder_tokens)
+
+
+# ----------------------------------------------------------------------------
+# The core, for one example and one head.
+# ----------------------------------------------------------------------------
+
+
+def scaled_dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """softmax(q k^T / sqrt(d_k)) v for one example and one head.
+
+    Args:
+      q: [q_len, d_k] queries.
+      k: [kv_len, d_k] keys.
+      v: [kv_len, d_v] values.
+      mask: bool[q_len, kv_len] (True = attend) or None.
+    Returns:
+      (out [q_len, d_v] in v's dtype, weights float32[q_len, kv_len]).
+    """
+    scores = jnp.einsum("th,sh->ts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))  # [T, S]
+    if mask is not None:
+        # finfo.min rather than -inf: a fully masked row (a padded query) stays
+        # finite instead of NaN, and exp(min - max) underflows to exactly 0.0.
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1)  # float32 [T, S]
+    out = jnp.einsum("ts,sh->th", weights.astype(v.dtype), v)
+    return out, weights
+
+
+def batched_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """The single-head core vmapped over heads, then over the batch.
+
+    Args:
+      q: [batch, q_len, heads, d_k].
+      k: [batch, kv_len, heads, d_k].
+      v: [batch, kv_len, heads, d_v].
+      mask: bool[batch, q_len, kv_len] (shared by all heads) or None.
+    Returns:
+      (out [batch, q_len, heads, d_v], weights float32[batch, heads, q_len, kv_len]).
+    """
+    over_heads = jax.vmap(
+        scaled_dot_product_attention,
+        in_axes=(1, 1, 1, None),  # heads are axis 1 of [T|S, N, H]; the mask has none
+        out_axes=(1, 0),  # out [T, N, H], weights [N, T, S]
+    )
+    over_batch = jax.vmap(over_heads, in_axes=(0, 0, 0, None if mask is None else 0))
+    return over_batch(q, k, v, mask)
+
+
+def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Same result as `batched_attention` through `jax.nn.dot_product_attention`.
+
+    The library kernel picks cuDNN flash attention on GPUs where it applies;
+    it does not return the weights. Shapes as in `batched_attention`.
+    """
+    if mask is not None:
+        mask = mask[:, None, :, :]  # [B, 1, T, S]: broadcast over heads
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+# ----------------------------------------------------------------------------
+# Multi-head attention module.
+# ----------------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with per-head W_Q, W_K, W_V and the output W_O (§3.2.2).
+
+    For self-attention the three projections are stored as one
+    [D, 3, N, H] kernel so that a step does one matmul instead of three (each
+    [D, N, H] slice is still a separate per-head W_Q, W_K or W_V). For
+    cross-attention W_Q is [D, N, H] and W_K, W_V are stacked as [D, 2, N, H]:
+    the encoder side is projected once per source.
+    """
+
+    config: TransformerConfig
+    self_attention: bool
+
+    def _kernel(self, name: str, shape, axes, in_axis, out_axis, batch_axis=()):
+        # Glorot-uniform with fans computed as for one [D, N*H] matrix per
+        # projection: the head split and the q/k/v stacking do not change scale.
+        init = nn.initializers.variance_scaling(
+            1.0, "fan_avg", "uniform", in_axis=in_axis, out_axis=out_axis, batch_axis=batch_axis
+        )
+        return self.param(
+            name, nn.with_logical_partitioning(init, axes), shape, self.config.param_dtype
+        )
+
+    def _bias(self, name: str, shape, axes):
+        return self.param(
+            name,
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), axes),
+            shape,
+            self.config.param_dtype,
+        )
+
+    def project_kv(self, inputs_kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Projects the encoder output to cross-attention keys and values.
+
+        Args:
+          inputs_kv: [batch, kv_len, d_model].
+        Returns:
+          (keys, values), each [batch, kv_len, heads, head_dim].
+        """
+        cfg = self.config
+        d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
+        w = self._kernel(
+            "kv_kernel", (d, 2, n, h), ("embed", "qkv", "heads", "kv"), 0, (2, 3), (1,)
+        )
+        b = self._bias("kv_bias", (2, n, h), ("qkv", "heads", "kv"))
+        x = inputs_kv.astype(cfg.dtype)
+        kv = jnp.einsum("bsd,dcnh->cbsnh", x, w.astype(cfg.dtype)) + b.astype(cfg.dtype)[
+            :, None, None
+        ]  # [2, B, S, N, H]
+        return kv[0], kv[1]
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_kv: jax.Array | None,
+        mask: jax.Array | None,
+        *,
+        deterministic: bool,
+        return_weights: bool = False,
+    ):
+        """Attends from `inputs_q` to `inputs_kv` (to itself when self-attention).
+
+        Args:
+          inputs_q: [batch, q_len, d_model].
+          inputs_kv: [batch, kv_len, d_model] for cross-attention; ignored (may
+            be None) for self-attention.
+          mask: bool[batch, q_len, kv_len] or None.
+          deterministic: disables attention dropout.
+          return_weights: also return float32[batch, heads, q_len, kv_len]
+            (forces the vmap core).
+        Returns:
+          [batch, q_len, d_model] (and the weights when asked).
+        """
+        cfg = self.config
+        d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
+        x = inputs_q.astype(cfg.dtype)
+        if self.self_attention:
+            w = self._kernel(
+                "qkv_kernel", (d, 3, n, h), ("embed", "qkv", "heads", "kv"), 0, (2, 3), (1,)
+            )
+            b = self._bias("qkv_bias", (3, n, h), ("qkv", "heads", "kv"))
+            qkv = jnp.einsum("btd,dcnh->cbtnh", x, w.astype(cfg.dtype)) + b.astype(cfg.dtype)[
+                :, None, None
+            ]  # [3, B, T, N, H]
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        else:
+            w = self._kernel("q_kernel", (d, n, h), ("embed", "heads", "kv"), 0, (1, 2))
+            b = self._bias("q_bias", (n, h), ("heads", "kv"))
+            q = jnp.einsum("btd,dnh->btnh", x, w.astype(cfg.dtype)) + b.astype(cfg.dtype)
+            k, v = self.project_kv(inputs_kv)  # [B, S, N, H] each
+
+        weights = None
+        use_fast = cfg.attention_impl == "fast" and not return_weights
+        needs_dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
+        if use_fast and not needs_dropout:
+            out = fast_attention(q, k, v, mask)  # [B, T, N, H]
+        else:
+            out, weights = batched_attention(q, k, v, mask)
+            if needs_dropout:
+                dropped = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
+                out = jnp.einsum("bnts,bsnh->btnh", dropped.astype(cfg.dtype), v)
+
+        wo = self._kernel("out_kernel", (n, h, d), ("heads", "kv", "embed"), (0, 1), 2)
+        bo = self._bias("out_bias", (d,), ("embed",))
+        y = jnp.einsum("btnh,nhd->btd", out, wo.astype(cfg.dtype)) + bo.astype(cfg.dtype)
+        if return_weights:
+            return y, weights
+        return y

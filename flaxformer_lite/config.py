@@ -1,0 +1,169 @@
+"""Model configuration: one frozen dataclass, modes derived with `.replace(...)`.
+
+Sizes follow the notation of Vaswani et al. (2017): `d_model`, `d_ff`, `h`
+(`num_heads`) and `d_k = d_v` (`d_kv`). Every check that can fail with a
+user-supplied value raises `ConfigError` with a message naming the field and
+the fix, so the command-line tools can print one line instead of a traceback.
+
+Logical axis names (used by `partitioning.py` to map parameters and
+activations onto a device mesh):
+
+  batch   examples in a batch
+  length  sequence positions
+  embed   the model dimension d_model
+  heads   attention heads h
+  kv      per-head key/value dimension d_k = d_v
+  mlp     the feed-forward hidden dimension d_ff
+  vocab   the vocabulary
+  qkv     the stacked query/key/value projection index (never sharded)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+POSITIONS = ("sinusoidal", "learned", "none")
+NORMS = ("post", "pre")
+ACTIVATIONS = ("relu", "gelu")
+ATTENTION_IMPLS = ("vmap", "fast")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of the encoder-decoder Transformer.
+
+    The defaults are the paper's base model (Table 3, row "base").
+    """
+
+    vocab_size: int = 37000  # source vocabulary (the shared one when share_embeddings)
+    target_vocab_size: int | None = None  # None: same vocabulary as the source
+    share_embeddings: bool = True  # one matrix for encoder input, decoder input, softmax (§3.4)
+    tie_output_embedding: bool = True  # decoder input embedding reused as pre-softmax weights
+    d_model: int = 512
+    num_heads: int = 8
+    d_kv: int | None = None  # per-head d_k = d_v; None: d_model // num_heads (Table 3 A/B vary it)
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1  # P_drop: sub-layer outputs and embedding sums (§5.4)
+    attention_dropout_rate: float = 0.0  # on attention weights; the paper uses none
+    max_len: int = 512  # longest sequence for learned positions (sinusoids have no limit)
+    positions: str = "sinusoidal"  # "sinusoidal" | "learned" (Table 3 row E) | "none"
+    norm: str = "post"  # "post": LayerNorm(x + Sublayer(x)) as in §3.1; "pre": x + Sublayer(LN(x))
+    activation: str = "relu"  # feed-forward non-linearity: "relu" (§3.3) | "gelu"
+    attention_impl: str = "vmap"  # "vmap": per-example/per-head core; "fast": jax.nn kernel
+    layer_norm_epsilon: float = 1e-6
+    dtype: Any = jnp.float32  # compute dtype; softmax and loss always run in float32
+    param_dtype: Any = jnp.float32  # storage dtype of parameters
+    decode: bool = False  # autoregressive single-step mode (set by the decoders)
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_heads",
+            "d_ff",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "max_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.target_vocab_size is not None and self.target_vocab_size < 1:
+            raise ConfigError(
+                f"model.target_vocab_size must be a positive integer or None, "
+                f"got {self.target_vocab_size!r}"
+            )
+        if self.d_kv is None and self.d_model % self.num_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                f"{self.num_heads}; choose num_heads dividing d_model or set model.d_kv"
+            )
+        if self.d_kv is not None and (not isinstance(self.d_kv, int) or self.d_kv < 1):
+            raise ConfigError(f"model.d_kv must be a positive integer or None, got {self.d_kv!r}")
+        if self.share_embeddings and self.target_vocab_size not in (None, self.vocab_size):
+            raise ConfigError(
+                f"model.share_embeddings needs one vocabulary, but vocab_size={self.vocab_size} "
+                f"and target_vocab_size={self.target_vocab_size}; set "
+                "model.share_embeddings=False or make the sizes equal"
+            )
+        for name, allowed in (
+            ("positions", POSITIONS),
+            ("norm", NORMS),
+            ("activation", ACTIVATIONS),
+            ("attention_impl", ATTENTION_IMPLS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"model.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}"
+                )
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {value!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """d_k = d_v, the per-head key/value size."""
+        return self.d_kv if self.d_kv is not None else self.d_model // self.num_heads
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Size of the decoder's softmax."""
+        return self.target_vocab_size or self.vocab_size
+
+    def replace(self, **changes) -> TransformerConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view (dtypes as names), used to tag checkpoints."""
+        out = dataclasses.asdict(self)
+        out["dtype"] = jnp.dtype(self.dtype).name
+        out["param_dtype"] = jnp.dtype(self.param_dtype).name
+        return out
+
+
+# Fields that change the shapes of parameters: a checkpoint can only be resumed
+# by a config that agrees on all of them.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "target_vocab_size",
+    "share_embeddings",
+    "tie_output_embedding",
+    "d_model",
+    "num_heads",
+    "d_kv",
+    "d_ff",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "max_len",
+    "positions",
+    "norm",
+    "param_dtype",
+)
+
+
+def from_mapping(values: dict[str, Any]) -> TransformerConfig:
+    """Builds a config from a (ml_collections or plain) mapping, rejecting unknown keys."""
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown model config key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+        )
+    values = dict(values)
+    for name in ("dtype", "param_dtype"):
+        if name in values and isinstance(values[name], str):
+            try:
+                values[name] = jnp.dtype(values[name])
+            except TypeError as e:
+                raise ConfigError(f"model.{name}={values[name]!r} is not a dtype name") from e
+    return TransformerConfig(**values)

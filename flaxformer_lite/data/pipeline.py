@@ -1,0 +1,170 @@
+"""Grain pipeline: text examples -> fixed-shape batches of token ids.
+
+A split is any random-access sequence of ``{"source": str | bytes, "target": str | bytes}``
+dicts (e.g. what :func:`flaxformer_lite.data.numbers.load_number_words` returns). Every batch
+produced by :func:`make_dataset` is a dict of numpy arrays with static shapes, so a jitted step
+function compiles once:
+
+* ``"inputs"``: ``int32[batch_size, max_source_len]``, source ids + EOS, right-padded with PAD;
+* ``"targets"``: ``int32[batch_size, max_target_len]``, target ids + EOS, right-padded with PAD;
+* ``"valid"``: ``bool[batch_size]``, False only for the all-PAD filler rows of a final partial
+  batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer
+
+SOURCE_FIELD = "source"
+TARGET_FIELD = "target"
+
+
+def _as_str(value: str | bytes | np.ndarray) -> str:
+    """Returns a text feature as ``str``; TFDS data sources store text as UTF-8 bytes."""
+    if isinstance(value, np.ndarray):
+        value = value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return str(value)
+
+
+def texts(source: Sequence[Mapping[str, Any]], field: str) -> list[str]:
+    """Returns ``field`` of every example of ``source``, in order, as decoded strings.
+
+    Used to train the tokenizer on a split and to read reference targets.
+    """
+    return [_as_str(source[i][field]) for i in range(len(source))]
+
+
+def count_truncated(
+    source: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    max_source_len: int,
+    max_target_len: int,
+) -> tuple[int, int]:
+    """Counts examples whose source / target (+ EOS) do not fit the given lengths.
+
+    :func:`make_dataset` truncates such examples; this reports how many there are.
+
+    Returns:
+        ``(num_sources_truncated, num_targets_truncated)``.
+    """
+    _, num_sources = tokenizer.encode_batch(texts(source, SOURCE_FIELD), max_source_len)
+    _, num_targets = tokenizer.encode_batch(texts(source, TARGET_FIELD), max_target_len)
+    return num_sources, num_targets
+
+
+def _tokenize_example(
+    example: Mapping[str, Any],
+    *,
+    tokenizer: Tokenizer,
+    max_source_len: int,
+    max_target_len: int,
+) -> dict[str, np.ndarray]:
+    """Tokenizes one example into ``inputs: int32[max_source_len]``, ``targets:
+    int32[max_target_len]`` (ids + EOS, PAD-padded, truncated keeping EOS last)."""
+    inputs, _ = tokenizer.encode_batch([_as_str(example[SOURCE_FIELD])], max_source_len)
+    targets, _ = tokenizer.encode_batch([_as_str(example[TARGET_FIELD])], max_target_len)
+    return {"inputs": inputs[0], "targets": targets[0]}
+
+
+def _stack_batch(
+    examples: Sequence[Mapping[str, np.ndarray]], *, batch_size: int
+) -> dict[str, np.ndarray]:
+    """Stacks tokenized examples and pads a short batch with all-PAD rows up to ``batch_size``.
+
+    Returns:
+        ``inputs: int32[batch_size, max_source_len]``, ``targets: int32[batch_size,
+        max_target_len]`` and ``valid: bool[batch_size]`` (True for the real examples).
+    """
+    num_real = len(examples)
+    batch: dict[str, np.ndarray] = {}
+    for key in ("inputs", "targets"):
+        rows = np.stack([example[key] for example in examples]).astype(np.int32)
+        if num_real < batch_size:
+            # Filler rows keep the batch shape static (no recompilation for the last batch);
+            # `valid` tells metrics to ignore them.
+            filler = np.full((batch_size - num_real, rows.shape[1]), PAD_ID, dtype=np.int32)
+            rows = np.concatenate([rows, filler], axis=0)
+        batch[key] = rows
+    valid = np.zeros((batch_size,), dtype=bool)
+    valid[:num_real] = True
+    batch["valid"] = valid
+    return batch
+
+
+def make_dataset(
+    source: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    max_source_len: int,
+    max_target_len: int,
+    seed: int,
+    shuffle: bool,
+    repeat: bool,
+    drop_remainder: bool,
+) -> grain.MapDataset:
+    """Builds a random-access dataset of fixed-shape batches from a split.
+
+    Element ``i`` of the returned dataset is batch ``i``: a dict with ``"inputs"``
+    ``int32[batch_size, max_source_len]``, ``"targets"`` ``int32[batch_size, max_target_len]``
+    and ``"valid"`` ``bool[batch_size]``. Over-long examples are truncated so that EOS stays
+    their last id (see :func:`count_truncated`).
+
+    Batch ``i`` is a pure function of ``(source, tokenizer, arguments, i)``: ``ds[step]`` gives
+    exactly what iterating ``ds`` would give at that step, so a training run resumes at step
+    ``s`` by reading ``ds[s], ds[s + 1], ...`` (or iterating ``ds[s:]``) with no iterator state
+    to checkpoint.
+
+    Args:
+        source: random-access sequence of ``{"source": str | bytes, "target": str | bytes}``.
+        tokenizer: tokenizer with the reserved ids of :mod:`flaxformer_lite.data.tokenizer`.
+        batch_size: rows per batch.
+        max_source_len: columns of ``"inputs"``.
+        max_target_len: columns of ``"targets"``.
+        seed: shuffle seed; unused when ``shuffle`` is False.
+        shuffle: visit the examples in a seeded random order (a new order each epoch when
+            ``repeat``).
+        repeat: repeat forever; the dataset length is then effectively infinite and batches run
+            across epoch boundaries, so every batch is full.
+        drop_remainder: drop a final partial batch instead of padding it with rows whose
+            ``valid`` is False. Irrelevant when ``repeat``.
+
+    Returns:
+        A ``grain.MapDataset`` of batch dicts.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_source_len < 1 or max_target_len < 1:
+        raise ValueError(
+            f"max_source_len and max_target_len must be >= 1, got {max_source_len}, "
+            f"{max_target_len}"
+        )
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    if repeat:
+        # Shuffling happens before repeating, so each epoch gets its own permutation.
+        ds = ds.repeat(None, reseed_each_epoch=True)
+    # Module-level functions (not closures) keep the transforms picklable.
+    ds = ds.map(
+        functools.partial(
+            _tokenize_example,
+            tokenizer=tokenizer,
+            max_source_len=max_source_len,
+            max_target_len=max_target_len,
+        )
+    )
+    return ds.batch(
+        batch_size,
+        drop_remainder=drop_remainder,
+        batch_fn=functools.partial(_stack_batch, batch_size=batch_size),
+    )

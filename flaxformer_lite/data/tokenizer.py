@@ -1,0 +1,257 @@
+"""SentencePiece subword tokenizer with fixed reserved ids.
+
+The model code relies on these ids and never looks them up:
+
+* ``PAD_ID = 0``: right padding of every id array; masked out of attention and of the loss.
+* ``UNK_ID = 1``: any character not covered by the vocabulary (encoding never raises).
+* ``BOS_ID = 2``: reserved start token (e.g. a decoder start); never produced by
+  :meth:`Tokenizer.encode`.
+* ``EOS_ID = 3``: end of sequence; :meth:`Tokenizer.encode_batch` appends it and
+  :meth:`Tokenizer.decode` stops at it.
+
+Training is in memory and deterministic: the same texts and arguments give a byte-identical
+serialized model, so a vocabulary can be rebuilt instead of shipped.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import sentencepiece as spm
+
+PAD_ID: int = 0
+UNK_ID: int = 1
+BOS_ID: int = 2
+EOS_ID: int = 3
+
+_MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+
+class Tokenizer:
+    """A SentencePiece model plus the batch helpers the data pipeline needs.
+
+    Construct with :meth:`train`, :meth:`from_bytes` or :meth:`load`. Instances are picklable
+    (through the serialized model), so they can be sent to data-loading worker processes.
+    """
+
+    def __init__(self, processor: spm.SentencePieceProcessor) -> None:
+        """Wraps a loaded processor; prefer the ``train``/``from_bytes``/``load`` constructors.
+
+        Raises:
+            ValueError: if the model does not use the reserved ids of this module.
+        """
+        expected = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
+        actual = {
+            "pad": processor.pad_id(),
+            "unk": processor.unk_id(),
+            "bos": processor.bos_id(),
+            "eos": processor.eos_id(),
+        }
+        if actual != expected:
+            raise ValueError(f"SentencePiece model has special ids {actual}, expected {expected}")
+        self._processor = processor
+
+    # ----------------------------------------------------------------------------------------
+    # Construction and serialization.
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        model_type: str = "unigram",
+        *,
+        split_digits: bool = True,
+        character_coverage: float = 1.0,
+        user_defined_symbols: Sequence[str] = (),
+        normalization_rule_name: str = "identity",
+    ) -> Tokenizer:
+        """Trains a tokenizer in memory on ``texts``.
+
+        Args:
+            texts: training sentences, one string each (iterated once).
+            vocab_size: target vocabulary size including the 4 reserved pieces. It is a soft
+                limit: when the data cannot support that many pieces SentencePiece returns a
+                smaller vocabulary instead of failing.
+            model_type: "unigram", "bpe", "char" or "word".
+            split_digits: split numbers into single digits, so every number is spelled with
+                the same 10 pieces.
+            character_coverage: fraction of characters covered by the vocabulary; the rest map
+                to ``UNK_ID``.
+            user_defined_symbols: pieces that are always kept whole.
+            normalization_rule_name: SentencePiece normalization. The default "identity" keeps
+                every character as is, so ``decode(encode(text)) == text`` for texts made of
+                known characters and single spaces, which exact-match metrics rely on.
+
+        Returns:
+            The trained tokenizer.
+        """
+        if model_type not in _MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            split_digits=split_digits,
+            character_coverage=character_coverage,
+            user_defined_symbols=list(user_defined_symbols),
+            normalization_rule_name=normalization_rule_name,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            hard_vocab_limit=False,
+            # Determinism: one thread, every sentence used in input order (no random sampling
+            # or shuffling of the input).
+            num_threads=1,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            # Sentences longer than the default 4192 bytes would otherwise be skipped silently.
+            max_sentence_length=1 << 16,
+            minloglevel=2,
+        )
+        return cls.from_bytes(model.getvalue())
+
+    @classmethod
+    def from_bytes(cls, model: bytes) -> Tokenizer:
+        """Builds a tokenizer from a serialized SentencePiece ``ModelProto``."""
+        processor = spm.SentencePieceProcessor()
+        processor.LoadFromSerializedProto(model)
+        return cls(processor)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Loads a tokenizer written by :meth:`save`."""
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read())
+
+    def to_bytes(self) -> bytes:
+        """Returns the serialized SentencePiece ``ModelProto``."""
+        return self._processor.serialized_model_proto()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the serialized model to ``path`` atomically.
+
+        The bytes go to a temporary file in the same directory which then replaces ``path``,
+        so a reader (or a crash) never sees a partially written model.
+        """
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".model")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.to_bytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_path, path)
+        except BaseException:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+            raise
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The SWIG processor itself is not reliably picklable; its serialized model is.
+        return {"model": self.to_bytes()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        processor = spm.SentencePieceProcessor()
+        processor.LoadFromSerializedProto(state["model"])
+        self._processor = processor
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Tokenizer):
+            return NotImplemented
+        return self.to_bytes() == other.to_bytes()
+
+    def __hash__(self) -> int:
+        return hash(self.to_bytes())
+
+    # ----------------------------------------------------------------------------------------
+    # Vocabulary.
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces, reserved ones included; ids are in ``[0, vocab_size)``."""
+        return self._processor.get_piece_size()
+
+    def id_to_piece(self, token_id: int) -> str:
+        """Returns the piece string of ``token_id``, e.g. ``"<pad>"`` for ``PAD_ID``."""
+        return self._processor.id_to_piece(int(token_id))
+
+    def piece_to_id(self, piece: str) -> int:
+        """Returns the id of ``piece``, or ``UNK_ID`` if it is not in the vocabulary."""
+        return self._processor.piece_to_id(piece)
+
+    # ----------------------------------------------------------------------------------------
+    # Encoding and decoding.
+
+    def encode(self, text: str) -> list[int]:
+        """Encodes one string to ids, without BOS or EOS; unknown characters become UNK_ID."""
+        return self._processor.encode(text, out_type=int)
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Decodes ids up to (excluding) the first EOS_ID, skipping PAD_ID and BOS_ID.
+
+        Args:
+            ids: a sequence or 1-D integer array, e.g. one row of model output
+                ``int32[length]``.
+        """
+        pieces: list[int] = []
+        for token_id in np.asarray(ids).reshape(-1).tolist():
+            if token_id == EOS_ID:
+                break
+            if token_id in (PAD_ID, BOS_ID):
+                continue
+            pieces.append(int(token_id))
+        return self._processor.decode(pieces)
+
+    def encode_batch(
+        self, texts: Sequence[str], max_len: int, add_eos: bool = True
+    ) -> tuple[np.ndarray, int]:
+        """Encodes strings into a fixed-shape, right-padded id array.
+
+        Row ``i`` holds ``encode(texts[i])`` followed by EOS_ID (when ``add_eos``), then PAD_ID
+        up to ``max_len``. A row that does not fit is truncated to ``max_len`` ids; with
+        ``add_eos`` its last id is still EOS_ID, so the model always sees an end marker.
+
+        Args:
+            texts: ``n`` strings.
+            max_len: number of columns; must be >= 1.
+            add_eos: whether to append EOS_ID.
+
+        Returns:
+            ``(ids, num_truncated)``: ``ids`` is ``int32[n, max_len]`` and ``num_truncated`` the
+            number of rows that had to be truncated.
+        """
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        texts = list(texts)
+        ids = np.full((len(texts), max_len), PAD_ID, dtype=np.int32)
+        if not texts:
+            return ids, 0
+        num_truncated = 0
+        # Encoding strings one at a time is faster here than passing the list: SentencePiece's
+        # list path starts a thread pool per call, which dominates for short texts.
+        for row, text in enumerate(texts):
+            tokens = self._processor.encode(text, out_type=int)
+            if add_eos:
+                tokens = tokens + [EOS_ID]
+            if len(tokens) > max_len:
+                num_truncated += 1
+                tokens = tokens[: max_len - 1] + [EOS_ID] if add_eos else tokens[:max_len]
+            ids[row, : len(tokens)] = tokens
+        return ids, num_truncated
+
+    def decode_batch(self, ids: np.ndarray | Sequence[Sequence[int]]) -> list[str]:
+        """Decodes every row of an integer array ``[n, length]`` with :meth:`decode`."""
+        array = np.asarray(ids)
+        if array.ndim != 2:
+            raise ValueError(f"decode_batch expects a 2-D array [n, length], got {array.shape}")
+        return [self.decode(row) for row in array]

@@ -1,0 +1,88 @@
+"""Label-smoothed cross entropy and the per-batch metrics of training and eval."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import PAD_ID
+
+
+def smoothed_targets(labels: jax.Array, vocab_size: int, label_smoothing: float) -> jax.Array:
+    """The smoothed target distribution q (Szegedy et al. 2016; paper §5.4).
+
+    q = 1 - eps on the gold token and eps / (V - 1) on every other token.
+
+    Args:
+      labels: int[B, T].
+    Returns:
+      float32[B, T, V], each row summing to 1.
+    """
+    confidence = 1.0 - label_smoothing
+    low = label_smoothing / (vocab_size - 1)
+    one_hot = jax.nn.one_hot(labels, vocab_size, dtype=jnp.float32)
+    return one_hot * (confidence - low) + low
+
+
+def cross_entropy(
+    logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token losses.
+
+    Args:
+      logits: float[B, T, V].
+      labels: int[B, T], PAD_ID where there is no target.
+      label_smoothing: eps_ls.
+    Returns:
+      (smoothed float32[B, T] = -sum_v q_v log p_v,
+       nll float32[B, T] = -log p_label), both 0 at padding.
+    """
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    weights = (labels != PAD_ID).astype(jnp.float32)
+    nll = -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+    if label_smoothing > 0.0:
+        q = smoothed_targets(labels, logits.shape[-1], label_smoothing)
+        smoothed = -jnp.sum(q * log_probs, axis=-1)
+    else:
+        smoothed = nll
+    return smoothed * weights, nll * weights
+
+
+def metrics_sums(
+    logits: jax.Array, labels: jax.Array, label_smoothing: float
+) -> dict[str, jax.Array]:
+    """Sums over a batch, to be divided by `tokens` (or `sequences`) after aggregation.
+
+    Args:
+      logits: float[B, T, V]; labels: int[B, T].
+    Returns:
+      dict of float32 scalars: loss (smoothed), nll, correct tokens,
+      correct whole sequences, tokens, sequences.
+    """
+    smoothed, nll = cross_entropy(logits, labels, label_smoothing)
+    weights = (labels != PAD_ID).astype(jnp.float32)
+    hit = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32) * weights
+    real = jnp.any(labels != PAD_ID, axis=-1)  # [B] rows that are not padding rows
+    seq_ok = jnp.all((hit > 0) | (weights == 0), axis=-1) & real
+    return {
+        "loss": smoothed.sum(),
+        "nll": nll.sum(),
+        "correct": hit.sum(),
+        "seq_correct": seq_ok.sum().astype(jnp.float32),
+        "tokens": weights.sum(),
+        "sequences": real.sum().astype(jnp.float32),
+    }
+
+
+def summarize(sums: dict[str, float]) -> dict[str, float]:
+    """Turns aggregated sums into per-token means, perplexity and accuracies."""
+    tokens = max(float(sums["tokens"]), 1.0)
+    sequences = max(float(sums["sequences"]), 1.0)
+    nll = float(sums["nll"]) / tokens
+    return {
+        "loss": float(sums["loss"]) / tokens,
+        "nll": nll,
+        "perplexity": float(jnp.exp(jnp.minimum(nll, 50.0))),
+        "token_accuracy": float(sums["correct"]) / tokens,
+        "teacher_forced_sequence_accuracy": float(sums["seq_correct"]) / sequences,
+    }

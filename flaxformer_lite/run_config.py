@@ -1,0 +1,89 @@
+"""Run configs (ml_collections, `configs/*.py`) -> validated library objects.
+
+A run config has four sections: `model` (fields of `TransformerConfig`),
+`data`, `optim` and `train`. This module checks them, builds the model config
+and the dataset splits, and produces the JSON-friendly view saved in a workdir.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+
+from flaxformer_lite.config import SHAPE_FIELDS as MODEL_SHAPE_FIELDS
+from flaxformer_lite.config import ConfigError, TransformerConfig, from_mapping
+
+# What must agree for a checkpoint in a workdir to be resumed.
+SHAPE_FIELDS = MODEL_SHAPE_FIELDS
+DATASETS = ("number_words",)
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size: int | None = None,
+                 **overrides) -> TransformerConfig:
+    """The model config of a run; `vocab_size` (from the tokenizer) overrides the config's."""
+    values = dict(config.model.to_dict())
+    if vocab_size is not None:
+        values["vocab_size"] = vocab_size
+    values.update(overrides)
+    return from_mapping(values)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks what can be checked before any data is read. Raises ConfigError."""
+    for section in ("model", "data", "optim", "train"):
+        if section not in config:
+            raise ConfigError(f"run config has no '{section}' section; start from configs/default.py")
+    model_config(config)  # field names, types and consistency
+    t, d = config.train, config.data
+    for name in ("batch_size", "eval_batch_size", "num_steps", "log_every"):
+        value = t[name]
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+    if not 0.0 <= t.label_smoothing < 1.0:
+        raise ConfigError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing!r}")
+    if d.dataset not in DATASETS:
+        raise ConfigError(f"data.dataset={d.dataset!r} is not one of {', '.join(DATASETS)}")
+    for name in ("max_source_len", "max_target_len", "vocab_size"):
+        if not isinstance(d[name], int) or d[name] < 2:
+            raise ConfigError(f"data.{name} must be an integer >= 2, got {d[name]!r}")
+
+
+def load_splits(data: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Dataset splits as random-access sources of {"source": bytes, "target": bytes}."""
+    if data.dataset == "number_words":
+        from flaxformer_lite.data.numbers import load_number_words
+
+        try:
+            return load_number_words(
+                tfds_dir(data), tuple(data.languages), data.max_number, data.seed,
+                data.valid_fraction, data.test_fraction,
+            )
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"data: {e}") from e
+    raise ConfigError(f"data.dataset={data.dataset!r} is not one of {', '.join(DATASETS)}")
+
+
+def tfds_dir(data: ml_collections.ConfigDict) -> str:
+    """Where TFDS datasets are prepared: data.tfds_dir, else $TFDS_DATA_DIR, else TFDS's default."""
+    return data.tfds_dir or os.environ.get("TFDS_DATA_DIR") or os.path.expanduser(
+        "~/tensorflow_datasets"
+    )
+
+
+def to_saved_dict(config: ml_collections.ConfigDict, model: TransformerConfig) -> dict[str, Any]:
+    """JSON-friendly run config with the resolved model config (as saved in a workdir)."""
+    out = config.to_dict()
+    out["model"] = model.to_dict()
+    return _jsonable(out)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)

@@ -1,0 +1,301 @@
+"""Training: train state, jitted train/eval steps, and the `train_and_evaluate` loop.
+
+The step functions are pure and jit-compiled once per shape; the loop does no
+per-token Python work. Everything runs on a device mesh from the start (one
+device on a laptop), with shardings derived from the parameters' logical axis
+names in `partitioning.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from flaxformer_lite import checkpoints, inference, losses, optim, partitioning
+from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.data import tokenizer as tokenizer_lib
+from flaxformer_lite.data.pipeline import make_dataset
+from flaxformer_lite.metric_writer import MetricWriter
+from flaxformer_lite.model import Transformer, shift_right
+
+VOCAB_FILE = "vocab.spm"
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a resumed run needs. Pytree of arrays only (the optimiser is static)."""
+
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Any  # model parameters
+    opt_state: Any  # optimiser moments
+    rng: jax.Array  # uint32[2] base key for dropout; step keys are folded in
+
+
+# ----------------------------------------------------------------------------
+# State creation.
+# ----------------------------------------------------------------------------
+
+
+def _init_fn(model: Transformer, tx: optax.GradientTransformation, seed: int,
+             source_len: int, target_len: int) -> Callable[[], TrainState]:
+    def init() -> TrainState:
+        params_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
+        dummy_src = jnp.ones((1, source_len), jnp.int32)
+        dummy_tgt = jnp.ones((1, target_len), jnp.int32)
+        params = model.init({"params": params_rng}, dummy_src, dummy_tgt)["params"]
+        return TrainState(jnp.int32(0), params, tx.init(params), dropout_rng)
+
+    return init
+
+
+def abstract_state(model, tx, seed, source_len, target_len):
+    """Shapes of the train state, with logical-axis boxes, without allocating."""
+    return jax.eval_shape(_init_fn(model, tx, seed, source_len, target_len))
+
+
+def create_state(model, tx, mesh, *, seed: int, source_len: int, target_len: int):
+    """Initialises the state directly into its shardings. Returns (state, shardings)."""
+    init = _init_fn(model, tx, seed, source_len, target_len)
+    shardings = partitioning.logical_shardings(jax.eval_shape(init), mesh)
+    state = jax.jit(lambda: nn.meta.unbox(init()), out_shardings=shardings)()
+    return state, shardings
+
+
+# ----------------------------------------------------------------------------
+# Steps.
+# ----------------------------------------------------------------------------
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Transformer,
+               tx: optax.GradientTransformation, label_smoothing: float,
+               bos_id: int) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One teacher-forced update.
+
+    Args:
+      batch: "inputs" int32[B, S]; "targets" int32[B, T] (ids + EOS, PAD after).
+    Returns:
+      (new state, metric sums as float32 scalars; see `losses.metrics_sums`).
+    """
+    dropout_rng = jax.random.fold_in(state.rng, state.step)
+    decoder_inputs = shift_right(batch["targets"], bos_id)  # BOS + targets[:-1]
+
+    def loss_fn(params):
+        logits = model.apply(
+            {"params": params}, batch["inputs"], decoder_inputs,
+            deterministic=False, rngs={"dropout": dropout_rng},
+        )  # [B, T, V]
+        sums = losses.metrics_sums(logits, batch["targets"], label_smoothing)
+        return sums["loss"] / jnp.maximum(sums["tokens"], 1.0), sums
+
+    grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    sums["grad_norm"] = optax.global_norm(grads)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
+
+
+def eval_step(params, batch, *, model: Transformer, label_smoothing: float,
+              bos_id: int) -> dict[str, jax.Array]:
+    """Teacher-forced metric sums on one batch (padding rows contribute nothing)."""
+    logits = model.apply({"params": params}, batch["inputs"], shift_right(batch["targets"], bos_id))
+    return losses.metrics_sums(logits, batch["targets"], label_smoothing)
+
+
+# ----------------------------------------------------------------------------
+# The loop.
+# ----------------------------------------------------------------------------
+
+
+def _prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2) -> Iterator:
+    """Yields make(i) for i in [start, stop), computed one or two batches ahead in a thread."""
+    q: queue.Queue = queue.Queue(maxsize=size)
+
+    def worker():
+        try:
+            for i in range(start, stop):
+                q.put(make(i))
+        except BaseException as e:  # surfaced in the consumer, never swallowed
+            q.put(e)
+
+    threading.Thread(target=worker, daemon=True).start()
+    for _ in range(start, stop):
+        item = q.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def _device_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    return partitioning.put_batch(
+        {k: batch[k] for k in ("inputs", "targets")}, mesh
+    )
+
+
+def evaluate(model, params, dataset, tokenizer, mesh, *, eval_fn, decode_fn,
+             max_batches: int | None = None) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """Teacher-forced metrics and free-running greedy exact-sequence accuracy on a split.
+
+    Returns:
+      (metrics, [(prediction, reference)] for every evaluated example).
+    """
+    n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
+    totals: dict[str, float] = {}
+    exact, count, pairs = 0, 0, []
+    for i in range(n):
+        host = dataset[i]
+        batch = _device_batch(host, mesh)
+        for k, v in jax.device_get(eval_fn(params, batch)).items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+        predicted = np.asarray(decode_fn(params, batch["inputs"]))  # [B, T]
+        valid = host["valid"]
+        refs = tokenizer.decode_batch(host["targets"][valid])
+        hyps = tokenizer.decode_batch(predicted[valid])
+        pairs.extend(zip(hyps, refs))
+        exact += sum(h == r for h, r in zip(hyps, refs))
+        count += len(refs)
+    metrics = losses.summarize(totals)
+    metrics["exact_match"] = exact / max(count, 1)
+    return metrics, pairs
+
+
+def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, train_split):
+    """The workdir's tokenizer if it has one, else one trained on the training split."""
+    path = os.path.join(workdir, VOCAB_FILE)
+    if os.path.exists(path):
+        return tokenizer_lib.Tokenizer.load(path), False
+    from flaxformer_lite.data.pipeline import texts
+
+    corpus = texts(train_split, "source") + texts(train_split, "target")
+    tok = tokenizer_lib.Tokenizer.train(
+        corpus, config.data.vocab_size, model_type=config.data.vocab_model_type
+    )
+    return tok, True
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       log: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Trains (or resumes) the run in `workdir`, evaluates, and returns final test metrics."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    run_config_lib.validate(config)
+    splits = run_config_lib.load_splits(config.data)
+    tokenizer, new_vocab = load_or_train_tokenizer(config, workdir, splits["train"])
+    model_cfg = run_config_lib.model_config(config, tokenizer.vocab_size)
+    saved = run_config_lib.to_saved_dict(config, model_cfg)
+    resumed_dir = checkpoints.claim_workdir(workdir, saved, run_config_lib.SHAPE_FIELDS)
+    if new_vocab and jax.process_index() == 0:
+        tokenizer.save(os.path.join(workdir, VOCAB_FILE))
+
+    t, d = config.train, config.data
+    model = Transformer(model_cfg)
+    schedule = optim.make_schedule(
+        config.optim.schedule, d_model=model_cfg.d_model, warmup_steps=config.optim.warmup_steps,
+        learning_rate=config.optim.learning_rate, total_steps=t.num_steps,
+    )
+    tx = optim.make_optimizer(
+        schedule, b1=config.optim.b1, b2=config.optim.b2, eps=config.optim.eps,
+        weight_decay=config.optim.weight_decay, grad_clip_norm=config.optim.grad_clip_norm,
+    )
+    mesh = partitioning.make_mesh()
+    state, state_shardings = create_state(
+        model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
+    )
+    ckpt = checkpoints.Checkpointer(workdir, keep=t.keep_checkpoints, save_every=t.checkpoint_every)
+    if ckpt.latest_step() is not None:
+        state, _ = ckpt.restore(state)
+        log(f"resumed from step {int(state.step)} in {ckpt.directory}")
+    elif resumed_dir:
+        log(f"workdir {workdir} has no checkpoint yet; starting at step 0")
+
+    data_sharding = partitioning.batch_sharding(mesh)
+    p_train = jax.jit(
+        functools.partial(train_step, model=model, tx=tx, label_smoothing=t.label_smoothing,
+                          bos_id=tokenizer_lib.BOS_ID),
+        in_shardings=(state_shardings, data_sharding),
+        out_shardings=(state_shardings, partitioning.replicated(mesh)),
+        donate_argnums=0,
+    )
+    p_eval = jax.jit(functools.partial(eval_step, model=model, label_smoothing=t.label_smoothing,
+                                       bos_id=tokenizer_lib.BOS_ID))
+    p_decode = functools.partial(
+        inference.greedy_decode, model, max_len=d.max_target_len,
+        bos_id=tokenizer_lib.BOS_ID, eos_id=tokenizer_lib.EOS_ID,
+    )
+
+    common = dict(tokenizer=tokenizer, max_source_len=d.max_source_len,
+                  max_target_len=d.max_target_len)
+    train_ds = make_dataset(splits["train"], batch_size=t.batch_size, seed=t.seed, shuffle=True,
+                            repeat=True, drop_remainder=True, **common)
+    eval_sets = {
+        name: make_dataset(splits[name], batch_size=t.eval_batch_size, seed=0, shuffle=False,
+                           repeat=False, drop_remainder=False, **common)
+        for name in ("validation", "test") if name in splits
+    }
+    writer = MetricWriter(workdir, tensorboard=t.tensorboard)
+    start = int(state.step)
+    meta = {"run_config": saved}
+
+    def run_eval(split: str, step: int, max_batches=None):
+        metrics, pairs = evaluate(model, state.params, eval_sets[split], tokenizer, mesh,
+                                  eval_fn=p_eval, decode_fn=p_decode, max_batches=max_batches)
+        writer.write(step, split, metrics)
+        log(f"step {step} {split}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        return metrics, pairs
+
+    sums_acc: dict[str, jax.Array] | None = None
+    t_log, tokens_log = time.perf_counter(), 0.0
+    bar = tqdm(total=t.num_steps, initial=start, desc="train", unit="step",
+               disable=not t.progress_bar or jax.process_index() != 0, dynamic_ncols=True)
+    for step, host in zip(range(start, t.num_steps),
+                          _prefetch(lambda i: train_ds[i], start, t.num_steps)):
+        state, sums = p_train(state, _device_batch(host, mesh))
+        sums_acc = sums if sums_acc is None else jax.tree.map(jnp.add, sums_acc, sums)
+        done = step + 1
+        if done % t.log_every == 0 or done == t.num_steps:
+            fetched = jax.device_get(sums_acc)
+            elapsed = time.perf_counter() - t_log
+            metrics = losses.summarize(fetched)
+            steps_in = t.log_every if done % t.log_every == 0 else done - step
+            metrics["grad_norm"] = float(fetched["grad_norm"]) / max(steps_in, 1)
+            metrics["tokens_per_sec"] = (float(fetched["tokens"]) - tokens_log) / elapsed
+            metrics["learning_rate"] = float(schedule(done - 1))
+            writer.write(done, "train", metrics)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+            sums_acc, t_log, tokens_log = None, time.perf_counter(), 0.0
+        bar.update(1)
+        if t.eval_every and done % t.eval_every == 0 and done != t.num_steps:
+            run_eval("validation", done, t.eval_max_batches or None)
+        ckpt.save(done, state, meta)
+    bar.close()
+    final_step = int(state.step)
+    ckpt.save(final_step, state, meta, force=True)
+    ckpt.wait()
+
+    results: dict[str, float] = {"step": final_step}
+    for split in eval_sets:
+        metrics, pairs = run_eval(split, final_step)
+        results.update({f"{split}_{k}": v for k, v in metrics.items()})
+        if split == "test" and t.num_examples_to_print:
+            first = eval_sets[split][0]
+            srcs = tokenizer.decode_batch(first["inputs"][first["valid"]])
+            log(f"examples from the held-out {split} split (source => prediction | reference):")
+            for src, (hyp, ref) in list(zip(srcs, pairs))[: t.num_examples_to_print]:
+                mark = "ok " if hyp == ref else "ERR"
+                log(f"  {mark} {src} => {hyp} | {ref}")
+    writer.close()
+    ckpt.close()
+    return results

@@ -1,0 +1,147 @@
+"""Model properties: padding and causality, positions, parameter counts."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from flaxformer_lite.config import ConfigError, TransformerConfig
+from flaxformer_lite.layers import Embed, sinusoidal_positions
+from flaxformer_lite.model import Transformer, shift_right
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY = TransformerConfig(vocab_size=23, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=2,
+                         num_decoder_layers=2, dropout_rate=0.0)
+SRC = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])  # row 0: 2 pad positions
+TGT = jnp.array([[2, 4, 5, 0, 0], [2, 7, 8, 9, 10]])  # row 0: 2 pad positions
+
+
+def _init(cfg):
+    return nn.meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), SRC, TGT)["params"])
+
+
+def _with_pad_row(params, cfg, value):
+    """Changes the embedding vector of PAD_ID: the content at every padded position."""
+    params = jax.tree.map(lambda x: x, params)
+    names = ["shared_embedding"] if cfg.share_embeddings else ["source_embedding",
+                                                               "target_embedding"]
+    for name in names:
+        table = params[name]["embedding"]
+        params[name] = {"embedding": table.at[0].set(value)}
+    return params
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("share", [True, False])
+def test_content_at_padded_positions_changes_no_real_output(norm, share):
+    cfg = TINY.replace(norm=norm, share_embeddings=share, tie_output_embedding=not share)
+    params = _init(cfg)
+    model = Transformer(cfg)
+    other = _with_pad_row(params, cfg, 7.5)
+    enc_a = model.apply({"params": params}, SRC, method=Transformer.encode)
+    enc_b = model.apply({"params": other}, SRC, method=Transformer.encode)
+    assert not np.allclose(enc_a[0, 4:], enc_b[0, 4:])  # the padded positions did change
+    np.testing.assert_array_equal(enc_a[0, :4], enc_b[0, :4])
+    np.testing.assert_array_equal(enc_a[1], enc_b[1])
+    logits_a = np.asarray(model.apply({"params": params}, SRC, TGT))
+    logits_b = np.asarray(model.apply({"params": other}, SRC, TGT))
+    # Real decoder positions: row 0's first 3, all of row 1. With a tied softmax the PAD
+    # row is also the weight of logit 0, so compare the other logits there.
+    cols = slice(1, None) if cfg.tie_output_embedding else slice(None)
+    np.testing.assert_array_equal(logits_a[0, :3, cols], logits_b[0, :3, cols])
+    np.testing.assert_array_equal(logits_a[1, :, cols], logits_b[1, :, cols])
+
+
+def test_trailing_padding_changes_nothing():
+    params = _init(TINY)
+    model = Transformer(TINY)
+    short = model.apply({"params": params}, SRC[:1, :4], TGT[:1, :3])
+    long = model.apply({"params": params}, SRC[:1], TGT[:1])
+    np.testing.assert_allclose(short[0], long[0, :3], atol=1e-5)
+
+
+def test_decoder_is_causal_by_gradient():
+    """d logits[t] / d (decoder input embedding at t') == 0 for every t' > t."""
+    params = _init(TINY)
+    model = Transformer(TINY)
+    encoded = model.apply({"params": params}, SRC, method=Transformer.encode)
+    table = params["shared_embedding"]["embedding"]
+    embedded = jnp.take(table, TGT, axis=0) * math.sqrt(TINY.d_model)  # [B, T, D]
+
+    def per_step_logit_sums(x):
+        # Replace the decoder's token embedding by `x`, so the gradient flows to it.
+        def intercept(next_fun, args, kwargs, context):
+            if context.method_name == "__call__" and isinstance(context.module, Embed):
+                return x
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(intercept):
+            logits = model.apply({"params": params}, encoded, SRC, TGT, method=Transformer.decode)
+        return logits.sum(axis=(0, 2))  # [T]
+
+    jac = np.asarray(jax.jit(jax.jacrev(per_step_logit_sums))(embedded))  # [T, B, T, D]
+    for t in range(TGT.shape[1]):
+        assert np.all(jac[t, :, t + 1:] == 0.0), f"step {t} sees the future"
+        assert np.any(jac[t, 1, : t + 1] != 0.0)
+
+
+def _encode_perm(cfg, perm):
+    params = _init(cfg)
+    model = Transformer(cfg)
+    src = SRC[1:]  # no padding
+    a = model.apply({"params": params}, src, method=Transformer.encode)
+    b = model.apply({"params": params}, src[:, perm], method=Transformer.encode)
+    return np.asarray(a[0, perm]), np.asarray(b[0])
+
+
+def test_encoder_without_positions_is_permutation_equivariant():
+    perm = np.array([3, 0, 5, 1, 4, 2])
+    a, b = _encode_perm(TINY.replace(positions="none"), perm)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    a, b = _encode_perm(TINY, perm)
+    assert not np.allclose(a, b, atol=1e-3)
+
+
+def test_sinusoid_table_is_the_paper_formula():
+    d = 10
+    table = np.asarray(sinusoidal_positions(jnp.arange(50), d))
+    for pos in (0, 1, 7, 49):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert table[pos, 2 * i] == pytest.approx(math.sin(angle), abs=1e-5)
+            assert table[pos, 2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-5)
+    # Any length: a position far past training lengths is still the formula.
+    far = np.asarray(sinusoidal_positions(jnp.array([1000]), d))[0]
+    assert far[0] == pytest.approx(math.sin(1000.0), abs=1e-3)
+
+
+def test_shift_right_is_teacher_forcing():
+    targets = jnp.array([[7, 8, 3, 0], [9, 3, 0, 0]])
+    np.testing.assert_array_equal(shift_right(targets, 2), [[2, 7, 8, 3], [2, 9, 3, 0]])
+
+
+def test_learned_positions_and_gelu_run():
+    cfg = TINY.replace(positions="learned", activation="gelu", max_len=16, norm="pre")
+    params = _init(cfg)
+    assert params["encoder"]["positions"]["pos_embedding"].shape == (16, 16)
+    out = Transformer(cfg).apply({"params": params}, SRC, TGT)
+    assert out.shape == (2, 5, 23) and np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"d_model": 30, "num_heads": 4}, "not divisible"),
+        ({"norm": "middle"}, "model.norm"),
+        ({"dropout_rate": 1.5}, "dropout_rate"),
+        ({"num_heads": 0}, "positive integer"),
+        ({"target_vocab_size": 9}, "share_embeddings"),
+    ],
+)
+def test_bad_model_config_names_the_field(changes, words):
+    with pytest.raises(ConfigError, match=words):
+        TINY.replace(**changes)
