@@ -58,10 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.train = t = ml_collections.ConfigDict()
     t.seed = 0  # parameter init and dropout
     t.batch_size = 128  # examples per step
-    t.num_steps = 3000  # total optimiser steps
+    t.num_steps = 1500  # total optimiser steps
     t.label_smoothing = 0.1  # eps_ls
     t.log_every = 50  # steps between train-metric records
-    t.eval_every = 1000  # steps between validation evaluations (0: only at the end)
+    t.eval_every = 500  # steps between validation evaluations (0: only at the end)
     t.eval_max_batches = 0  # batches per intermediate evaluation (0: the whole split)
     t.eval_batch_size = 256  # examples per eval batch
     t.checkpoint_every = 500  # steps between checkpoints

@@ -180,9 +180,10 @@ class MultiHeadAttention(nn.Module):
         )
         b = self._bias("kv_bias", (2, n, h), ("qkv", "heads", "kv"))
         x = inputs_kv.astype(cfg.dtype)
-        kv = jnp.einsum("bsd,dcnh->cbsnh", x, w.astype(cfg.dtype)) + b.astype(cfg.dtype)[
-            :, None, None
-        ]  # [2, B, S, N, H]
+        kv = (
+            jnp.einsum("bsd,dcnh->cbsnh", x, w.astype(cfg.dtype))
+            + b.astype(cfg.dtype)[:, None, None]
+        )  # [2, B, S, N, H]
         return kv[0], kv[1]
 
     @nn.compact
@@ -216,9 +217,10 @@ class MultiHeadAttention(nn.Module):
                 "qkv_kernel", (d, 3, n, h), ("embed", "qkv", "heads", "kv"), 0, (2, 3), (1,)
             )
             b = self._bias("qkv_bias", (3, n, h), ("qkv", "heads", "kv"))
-            qkv = jnp.einsum("btd,dcnh->cbtnh", x, w.astype(cfg.dtype)) + b.astype(cfg.dtype)[
-                :, None, None
-            ]  # [3, B, T, N, H]
+            qkv = (
+                jnp.einsum("btd,dcnh->cbtnh", x, w.astype(cfg.dtype))
+                + b.astype(cfg.dtype)[:, None, None]
+            )  # [3, B, T, N, H]
             q, k, v = qkv[0], qkv[1], qkv[2]
         else:
             w = self._kernel("q_kernel", (d, n, h), ("embed", "heads", "kv"), 0, (1, 2))

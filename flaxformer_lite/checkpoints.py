@@ -52,12 +52,11 @@ def claim_workdir(workdir: str, run_config: dict[str, Any], shape_fields: tuple[
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"workdir {workdir!r} is a file; pass --workdir a directory path")
     marker = os.path.join(workdir, RUN_CONFIG)
-    if os.path.isdir(workdir) and not os.path.exists(marker):
-        if os.listdir(workdir):
-            raise WorkdirError(
-                f"workdir {workdir!r} is not empty and was not made by this library (no "
-                f"{RUN_CONFIG}); pass a new or empty directory as --workdir"
-            )
+    if os.path.isdir(workdir) and not os.path.exists(marker) and os.listdir(workdir):
+        raise WorkdirError(
+            f"workdir {workdir!r} is not empty and was not made by this library (no "
+            f"{RUN_CONFIG}); pass a new or empty directory as --workdir"
+        )
     if os.path.exists(marker):
         with open(marker, encoding="utf-8") as f:
             try:

@@ -1,14 +1,78 @@
-"""Shared command-line plumbing: one clear error line instead of a traceback wall."""
+"""Shared command-line plumbing: one clear error line instead of a traceback wall.
+
+Set FLAXFORMER_LITE_TRACEBACK=1 to see full tracebacks.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
 
-# Errors that mean "the user asked for something wrong": printed as one line.
-USER_ERRORS: tuple[type[BaseException], ...] = ()
+from absl import flags
+
+TRACEBACK_ENV = "FLAXFORMER_LITE_TRACEBACK"
+
+
+def fail(message: str, code: int = 2):
+    """Prints `error: message` on stderr and exits."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _config_path(argv: list[str], flag: str, default: str) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{flag}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{flag}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return default
+
+
+def check_config_overrides(argv: list[str], default_path: str, flag: str = "config") -> None:
+    """Rejects `--config.a.b=v` flags that name no field of the config file, naming the fix."""
+    if any(a in ("-h", "--help", "--helpfull", "--helpshort") for a in argv):
+        return
+    path = _config_path(argv, flag, default_path)
+    if not os.path.isfile(path):
+        fail(f"--{flag}: config file {path!r} does not exist; pass a path like configs/default.py")
+    spec = importlib.util.spec_from_file_location("_cli_config", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        config = module.get_config()
+    except Exception as e:  # a broken config file: say which and why
+        fail(f"--{flag}: could not load {path!r}: {type(e).__name__}: {e}")
+    prefix = f"--{flag}."
+    for arg in argv:
+        if not arg.startswith(prefix):
+            continue
+        key = arg[len(prefix) :].split("=", 1)[0]
+        node = config
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if not hasattr(node, "keys") or part not in node:
+                where = ".".join(parts[:depth]) or "the config"
+                known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "none"
+                fail(
+                    f"unknown config key {key!r} in {path}: {where} has no field {part!r} "
+                    f"(fields: {known})"
+                )
+            node = node[part]
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parser for `app.run(..., flags_parser=...)` with one-line errors."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(f"{e}; see --help")
+    except Exception as e:  # ml_collections raises plain errors for bad overrides
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        fail(f"bad flag value: {type(e).__name__}: {e}")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -19,20 +83,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def friendly_errors(main: Callable) -> Callable:
-    """Wraps an absl `main` so that user errors exit with status 2 and one line on stderr.
-
-    Set FLAXFORMER_LITE_TRACEBACK=1 to see the full traceback.
-    """
+    """Wraps an absl `main` so that user errors exit with status 2 and one line on stderr."""
 
     @functools.wraps(main)
     def wrapped(argv):
         try:
             return main(argv)
         except user_errors() as e:
-            if os.environ.get("FLAXFORMER_LITE_TRACEBACK"):
+            if os.environ.get(TRACEBACK_ENV):
                 raise
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            fail(str(e))
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             sys.exit(130)

@@ -157,7 +157,8 @@ def from_mapping(values: dict[str, Any]) -> TransformerConfig:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(
-            f"unknown model config key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+            f"unknown model config key(s) {', '.join(unknown)}; "
+            f"known keys: {', '.join(sorted(known))}"
         )
     values = dict(values)
     for name in ("dtype", "param_dtype"):

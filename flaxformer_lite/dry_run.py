@@ -26,8 +26,11 @@ def parameter_table(params) -> list[tuple[str, str, int]]:
         keys = [getattr(k, "key", str(k)) for k in path]
         rows.setdefault("/".join(keys[:-1]), []).append((keys[-1], tuple(leaf.shape)))
     return [
-        (module, " ".join(f"{n}{list(s)}" for n, s in leaves),
-         sum(int(jnp.prod(jnp.asarray(s))) if s else 1 for _, s in leaves))
+        (
+            module,
+            " ".join(f"{n}{list(s)}" for n, s in leaves),
+            sum(int(jnp.prod(jnp.asarray(s))) if s else 1 for _, s in leaves),
+        )
         for module, leaves in rows.items()
     ]
 

@@ -11,8 +11,9 @@ from flaxformer_lite import decoding
 from flaxformer_lite.model import Transformer
 
 
-def full_recompute_step(model: Transformer, params, encoded: jax.Array, inputs: jax.Array,
-                        max_len: int):
+def full_recompute_step(
+    model: Transformer, params, encoded: jax.Array, inputs: jax.Array, max_len: int
+):
     """A `tokens_to_logits` that reruns the whole decoder prefix at every step (no KV cache).
 
     The cache is {"tokens": int32[B, max_len] decoder inputs so far (PAD
@@ -38,8 +39,9 @@ def full_recompute_step(model: Transformer, params, encoded: jax.Array, inputs: 
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id"))
-def greedy_decode(model: Transformer, params, inputs: jax.Array, *, max_len: int, bos_id: int,
-                  eos_id: int) -> jax.Array:
+def greedy_decode(
+    model: Transformer, params, inputs: jax.Array, *, max_len: int, bos_id: int, eos_id: int
+) -> jax.Array:
     """Encodes `inputs` int32[B, S] once and greedily decodes int32[B, max_len]."""
     encoded = model.apply({"params": params}, inputs, method=Transformer.encode)
     step, cache = full_recompute_step(model, params, encoded, inputs, max_len)

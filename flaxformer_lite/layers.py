@@ -161,8 +161,9 @@ class Residual(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, sublayer: Callable[[jax.Array], jax.Array], x: jax.Array, *,
-                 deterministic: bool) -> jax.Array:
+    def __call__(
+        self, sublayer: Callable[[jax.Array], jax.Array], x: jax.Array, *, deterministic: bool
+    ) -> jax.Array:
         """x: [B, T, D] -> [B, T, D]."""
         cfg = self.config
         norm = layer_norm(cfg, "norm")

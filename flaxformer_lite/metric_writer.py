@@ -23,7 +23,8 @@ class MetricWriter:
         self._tb = None
         if not self._enabled:
             return
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(workdir, "metrics.jsonl")
+        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         if tensorboard:
             from tensorboardX import SummaryWriter
 

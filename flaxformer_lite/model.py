@@ -72,9 +72,7 @@ class DecoderLayer(nn.Module):
             y,
             deterministic=deterministic,
         )
-        cross_attn = attention.MultiHeadAttention(
-            cfg, self_attention=False, name="cross_attention"
-        )
+        cross_attn = attention.MultiHeadAttention(cfg, self_attention=False, name="cross_attention")
         weights = []
 
         def cross(h):
@@ -149,8 +147,12 @@ class Decoder(nn.Module):
         all_weights = []
         for i in range(cfg.num_decoder_layers):
             out = DecoderLayer(cfg, name=f"layer_{i}")(
-                y, encoded, self_mask, cross_mask,
-                deterministic=deterministic, return_weights=return_weights,
+                y,
+                encoded,
+                self_mask,
+                cross_mask,
+                deterministic=deterministic,
+                return_weights=return_weights,
             )
             if return_weights:
                 y, w = out
@@ -209,8 +211,11 @@ class Transformer(nn.Module):
     ):
         """Logits float32[B, T, V] for decoder inputs int[B, T] given encoded [B, S, D]."""
         return self.decoder(
-            encoded, inputs, decoder_inputs,
-            deterministic=deterministic, return_weights=return_weights,
+            encoded,
+            inputs,
+            decoder_inputs,
+            deterministic=deterministic,
+            return_weights=return_weights,
         )
 
     def __call__(

@@ -24,8 +24,9 @@ def paper_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax
     return schedule
 
 
-def make_schedule(name: str, *, d_model: int, warmup_steps: int, learning_rate: float,
-                  total_steps: int) -> optax.Schedule:
+def make_schedule(
+    name: str, *, d_model: int, warmup_steps: int, learning_rate: float, total_steps: int
+) -> optax.Schedule:
     """Builds the schedule named in the run config.
 
     rsqrt: the paper's formula, multiplied by `learning_rate` (1.0 = the paper).
@@ -38,8 +39,10 @@ def make_schedule(name: str, *, d_model: int, warmup_steps: int, learning_rate: 
         return paper_schedule(d_model, warmup_steps, learning_rate)
     if name == "constant":
         return optax.join_schedules(
-            [optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-             optax.constant_schedule(learning_rate)],
+            [
+                optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+                optax.constant_schedule(learning_rate),
+            ],
             [max(warmup_steps, 1)],
         )
     if name == "cosine":
@@ -49,9 +52,15 @@ def make_schedule(name: str, *, d_model: int, warmup_steps: int, learning_rate: 
     raise ConfigError(f"optim.schedule={name!r} is not one of {', '.join(SCHEDULES)}")
 
 
-def make_optimizer(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.98,
-                   eps: float = 1e-9, weight_decay: float = 0.0,
-                   grad_clip_norm: float = 0.0) -> optax.GradientTransformation:
+def make_optimizer(
+    schedule: optax.Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.98,
+    eps: float = 1e-9,
+    weight_decay: float = 0.0,
+    grad_clip_norm: float = 0.0,
+) -> optax.GradientTransformation:
     """Adam(b1, b2, eps) as in §5.3, optional decoupled weight decay and global-norm clipping."""
     parts = []
     if grad_clip_norm > 0.0:

@@ -51,8 +51,13 @@ class TrainState:
 # ----------------------------------------------------------------------------
 
 
-def _init_fn(model: Transformer, tx: optax.GradientTransformation, seed: int,
-             source_len: int, target_len: int) -> Callable[[], TrainState]:
+def _init_fn(
+    model: Transformer,
+    tx: optax.GradientTransformation,
+    seed: int,
+    source_len: int,
+    target_len: int,
+) -> Callable[[], TrainState]:
     def init() -> TrainState:
         params_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
         dummy_src = jnp.ones((1, source_len), jnp.int32)
@@ -81,9 +86,15 @@ def create_state(model, tx, mesh, *, seed: int, source_len: int, target_len: int
 # ----------------------------------------------------------------------------
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Transformer,
-               tx: optax.GradientTransformation, label_smoothing: float,
-               bos_id: int) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    model: Transformer,
+    tx: optax.GradientTransformation,
+    label_smoothing: float,
+    bos_id: int,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One teacher-forced update.
 
     Args:
@@ -96,8 +107,11 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Transfo
 
     def loss_fn(params):
         logits = model.apply(
-            {"params": params}, batch["inputs"], decoder_inputs,
-            deterministic=False, rngs={"dropout": dropout_rng},
+            {"params": params},
+            batch["inputs"],
+            decoder_inputs,
+            deterministic=False,
+            rngs={"dropout": dropout_rng},
         )  # [B, T, V]
         sums = losses.metrics_sums(logits, batch["targets"], label_smoothing)
         return sums["loss"] / jnp.maximum(sums["tokens"], 1.0), sums
@@ -109,8 +123,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: Transfo
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
-def eval_step(params, batch, *, model: Transformer, label_smoothing: float,
-              bos_id: int) -> dict[str, jax.Array]:
+def eval_step(
+    params, batch, *, model: Transformer, label_smoothing: float, bos_id: int
+) -> dict[str, jax.Array]:
     """Teacher-forced metric sums on one batch (padding rows contribute nothing)."""
     logits = model.apply({"params": params}, batch["inputs"], shift_right(batch["targets"], bos_id))
     return losses.metrics_sums(logits, batch["targets"], label_smoothing)
@@ -141,13 +156,12 @@ def _prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2)
 
 
 def _device_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-    return partitioning.put_batch(
-        {k: batch[k] for k in ("inputs", "targets")}, mesh
-    )
+    return partitioning.put_batch({k: batch[k] for k in ("inputs", "targets")}, mesh)
 
 
-def evaluate(model, params, dataset, tokenizer, mesh, *, eval_fn, decode_fn,
-             max_batches: int | None = None) -> tuple[dict[str, float], list[tuple[str, str]]]:
+def evaluate(
+    model, params, dataset, tokenizer, mesh, *, eval_fn, decode_fn, max_batches: int | None = None
+) -> tuple[dict[str, float], list[tuple[str, str]]]:
     """Teacher-forced metrics and free-running greedy exact-sequence accuracy on a split.
 
     Returns:
@@ -173,6 +187,60 @@ def evaluate(model, params, dataset, tokenizer, mesh, *, eval_fn, decode_fn,
     return metrics, pairs
 
 
+def make_optimizer(config: ml_collections.ConfigDict, model_cfg):
+    """(schedule, optimiser) of a run config."""
+    o = config.optim
+    schedule = optim.make_schedule(
+        o.schedule,
+        d_model=model_cfg.d_model,
+        warmup_steps=o.warmup_steps,
+        learning_rate=o.learning_rate,
+        total_steps=config.train.num_steps,
+    )
+    tx = optim.make_optimizer(
+        schedule,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        grad_clip_norm=o.grad_clip_norm,
+    )
+    return schedule, tx
+
+
+def restore_trained(workdir: str, step: int | None = None):
+    """Loads a training workdir: (model, state, tokenizer, run config dict).
+
+    Raises:
+      WorkdirError: not a training workdir.
+      FileNotFoundError: it has no (complete) checkpoint.
+    """
+    saved = checkpoints.load_run_config(workdir)
+    config = ml_collections.ConfigDict(saved)
+    model_cfg = run_config_lib.model_config(config)
+    model = Transformer(model_cfg)
+    _, tx = make_optimizer(config, model_cfg)
+    vocab = os.path.join(workdir, VOCAB_FILE)
+    if not os.path.exists(vocab):
+        raise FileNotFoundError(f"{vocab} is missing: the workdir's vocabulary is needed")
+    tokenizer = tokenizer_lib.Tokenizer.load(vocab)
+    mesh = partitioning.make_mesh()
+    d = config.data
+    abstract = abstract_state(model, tx, config.train.seed, d.max_source_len, d.max_target_len)
+    shardings = partitioning.logical_shardings(abstract, mesh)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nn.meta.unbox(abstract),
+        shardings,
+    )
+    ckpt = checkpoints.Checkpointer(workdir, keep=1 << 30, save_every=0)
+    try:
+        state, _ = ckpt.restore(target, step)
+    finally:
+        ckpt.close()
+    return model, state, tokenizer, saved
+
+
 def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, train_split):
     """The workdir's tokenizer if it has one, else one trained on the training split."""
     path = os.path.join(workdir, VOCAB_FILE)
@@ -187,8 +255,9 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, tra
     return tok, True
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       log: Callable[[str], None] | None = None) -> dict[str, float]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
+) -> dict[str, float]:
     """Trains (or resumes) the run in `workdir`, evaluates, and returns final test metrics."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     run_config_lib.validate(config)
@@ -202,14 +271,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     t, d = config.train, config.data
     model = Transformer(model_cfg)
-    schedule = optim.make_schedule(
-        config.optim.schedule, d_model=model_cfg.d_model, warmup_steps=config.optim.warmup_steps,
-        learning_rate=config.optim.learning_rate, total_steps=t.num_steps,
-    )
-    tx = optim.make_optimizer(
-        schedule, b1=config.optim.b1, b2=config.optim.b2, eps=config.optim.eps,
-        weight_decay=config.optim.weight_decay, grad_clip_norm=config.optim.grad_clip_norm,
-    )
+    schedule, tx = make_optimizer(config, model_cfg)
     mesh = partitioning.make_mesh()
     state, state_shardings = create_state(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
@@ -223,45 +285,87 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     data_sharding = partitioning.batch_sharding(mesh)
     p_train = jax.jit(
-        functools.partial(train_step, model=model, tx=tx, label_smoothing=t.label_smoothing,
-                          bos_id=tokenizer_lib.BOS_ID),
+        functools.partial(
+            train_step,
+            model=model,
+            tx=tx,
+            label_smoothing=t.label_smoothing,
+            bos_id=tokenizer_lib.BOS_ID,
+        ),
         in_shardings=(state_shardings, data_sharding),
         out_shardings=(state_shardings, partitioning.replicated(mesh)),
         donate_argnums=0,
     )
-    p_eval = jax.jit(functools.partial(eval_step, model=model, label_smoothing=t.label_smoothing,
-                                       bos_id=tokenizer_lib.BOS_ID))
+    p_eval = jax.jit(
+        functools.partial(
+            eval_step, model=model, label_smoothing=t.label_smoothing, bos_id=tokenizer_lib.BOS_ID
+        )
+    )
     p_decode = functools.partial(
-        inference.greedy_decode, model, max_len=d.max_target_len,
-        bos_id=tokenizer_lib.BOS_ID, eos_id=tokenizer_lib.EOS_ID,
+        inference.greedy_decode,
+        model,
+        max_len=d.max_target_len,
+        bos_id=tokenizer_lib.BOS_ID,
+        eos_id=tokenizer_lib.EOS_ID,
     )
 
-    common = dict(tokenizer=tokenizer, max_source_len=d.max_source_len,
-                  max_target_len=d.max_target_len)
-    train_ds = make_dataset(splits["train"], batch_size=t.batch_size, seed=t.seed, shuffle=True,
-                            repeat=True, drop_remainder=True, **common)
+    common = dict(
+        tokenizer=tokenizer, max_source_len=d.max_source_len, max_target_len=d.max_target_len
+    )
+    train_ds = make_dataset(
+        splits["train"],
+        batch_size=t.batch_size,
+        seed=t.seed,
+        shuffle=True,
+        repeat=True,
+        drop_remainder=True,
+        **common,
+    )
     eval_sets = {
-        name: make_dataset(splits[name], batch_size=t.eval_batch_size, seed=0, shuffle=False,
-                           repeat=False, drop_remainder=False, **common)
-        for name in ("validation", "test") if name in splits
+        name: make_dataset(
+            splits[name],
+            batch_size=t.eval_batch_size,
+            seed=0,
+            shuffle=False,
+            repeat=False,
+            drop_remainder=False,
+            **common,
+        )
+        for name in ("validation", "test")
+        if name in splits
     }
     writer = MetricWriter(workdir, tensorboard=t.tensorboard)
     start = int(state.step)
     meta = {"run_config": saved}
 
     def run_eval(split: str, step: int, max_batches=None):
-        metrics, pairs = evaluate(model, state.params, eval_sets[split], tokenizer, mesh,
-                                  eval_fn=p_eval, decode_fn=p_decode, max_batches=max_batches)
+        metrics, pairs = evaluate(
+            model,
+            state.params,
+            eval_sets[split],
+            tokenizer,
+            mesh,
+            eval_fn=p_eval,
+            decode_fn=p_decode,
+            max_batches=max_batches,
+        )
         writer.write(step, split, metrics)
         log(f"step {step} {split}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         return metrics, pairs
 
     sums_acc: dict[str, jax.Array] | None = None
     t_log, tokens_log = time.perf_counter(), 0.0
-    bar = tqdm(total=t.num_steps, initial=start, desc="train", unit="step",
-               disable=not t.progress_bar or jax.process_index() != 0, dynamic_ncols=True)
-    for step, host in zip(range(start, t.num_steps),
-                          _prefetch(lambda i: train_ds[i], start, t.num_steps)):
+    bar = tqdm(
+        total=t.num_steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not t.progress_bar or jax.process_index() != 0,
+        dynamic_ncols=True,
+    )
+    for step, host in zip(
+        range(start, t.num_steps), _prefetch(lambda i: train_ds[i], start, t.num_steps)
+    ):
         state, sums = p_train(state, _device_batch(host, mesh))
         sums_acc = sums if sums_acc is None else jax.tree.map(jnp.add, sums_acc, sums)
         done = step + 1

@@ -37,9 +37,11 @@ def reference_attention(q, k, v, mask):
 
 def _qkv(seed, b=2, t=5, s=7, n=3, h=4):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(b, t, n, h)).astype(np.float32),
-            rng.normal(size=(b, s, n, h)).astype(np.float32),
-            rng.normal(size=(b, s, n, h)).astype(np.float32))
+    return (
+        rng.normal(size=(b, t, n, h)).astype(np.float32),
+        rng.normal(size=(b, s, n, h)).astype(np.float32),
+        rng.normal(size=(b, s, n, h)).astype(np.float32),
+    )
 
 
 def _source_tokens():
@@ -62,7 +64,7 @@ def test_vmapped_core_matches_float64_reference(masked):
 @pytest.mark.parametrize("masked", [False, True])
 def test_fast_path_matches_reference(masked):
     q, k, v = _qkv(1, t=7)
-    mask = (attention.decoder_self_mask(_source_tokens()) if masked else None)
+    mask = attention.decoder_self_mask(_source_tokens()) if masked else None
     out = attention.fast_attention(q, k, v, mask)
     ref_out, _ = reference_attention(q, k, v, None if mask is None else np.asarray(mask))
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
@@ -102,8 +104,9 @@ def test_mask_helpers():
 
 
 def test_multihead_module_output_projection_and_d_kv():
-    cfg = TransformerConfig(vocab_size=10, d_model=12, num_heads=3, d_kv=5, d_ff=8,
-                            dropout_rate=0.0)
+    cfg = TransformerConfig(
+        vocab_size=10, d_model=12, num_heads=3, d_kv=5, d_ff=8, dropout_rate=0.0
+    )
     mha = attention.MultiHeadAttention(cfg, self_attention=False)
     x, y = jnp.ones((2, 4, 12)), jnp.ones((2, 6, 12))
     params = mha.init(jax.random.PRNGKey(0), x, y, None, deterministic=True)["params"]

@@ -14,8 +14,15 @@ from flaxformer_lite.model import Transformer, shift_right
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-TINY = TransformerConfig(vocab_size=23, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=2,
-                         num_decoder_layers=2, dropout_rate=0.0)
+TINY = TransformerConfig(
+    vocab_size=23,
+    d_model=16,
+    num_heads=2,
+    d_ff=32,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    dropout_rate=0.0,
+)
 SRC = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])  # row 0: 2 pad positions
 TGT = jnp.array([[2, 4, 5, 0, 0], [2, 7, 8, 9, 10]])  # row 0: 2 pad positions
 
@@ -27,8 +34,9 @@ def _init(cfg):
 def _with_pad_row(params, cfg, value):
     """Changes the embedding vector of PAD_ID: the content at every padded position."""
     params = jax.tree.map(lambda x: x, params)
-    names = ["shared_embedding"] if cfg.share_embeddings else ["source_embedding",
-                                                               "target_embedding"]
+    names = (
+        ["shared_embedding"] if cfg.share_embeddings else ["source_embedding", "target_embedding"]
+    )
     for name in names:
         table = params[name]["embedding"]
         params[name] = {"embedding": table.at[0].set(value)}
@@ -85,7 +93,7 @@ def test_decoder_is_causal_by_gradient():
 
     jac = np.asarray(jax.jit(jax.jacrev(per_step_logit_sums))(embedded))  # [T, B, T, D]
     for t in range(TGT.shape[1]):
-        assert np.all(jac[t, :, t + 1:] == 0.0), f"step {t} sees the future"
+        assert np.all(jac[t, :, t + 1 :] == 0.0), f"step {t} sees the future"
         assert np.any(jac[t, 1, : t + 1] != 0.0)
 
 

@@ -1,0 +1,79 @@
+"""Loss and schedule against hand computations."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flaxformer_lite import losses, optim
+
+
+def test_label_smoothed_loss_equals_hand_computation():
+    logits = jnp.array([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4]]])  # [1, 2, V=4]
+    labels = jnp.array([[2, 0]])  # second position is padding
+    eps = 0.1
+    smoothed, nll = losses.cross_entropy(logits, labels, eps)
+    row = np.array([2.0, 0.5, -1.0, 0.0])
+    log_p = row - math.log(np.exp(row).sum())
+    q = np.full(4, eps / 3)
+    q[2] = 1 - eps
+    assert float(smoothed[0, 0]) == pytest.approx(-(q * log_p).sum(), rel=1e-6)
+    assert float(nll[0, 0]) == pytest.approx(-log_p[2], rel=1e-6)
+    assert float(smoothed[0, 1]) == 0.0 and float(nll[0, 1]) == 0.0
+
+
+def test_no_smoothing_is_plain_cross_entropy():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 5, 11)), jnp.float32)
+    labels = jnp.asarray(rng.integers(1, 11, size=(3, 5)))
+    smoothed, nll = losses.cross_entropy(logits, labels, 0.0)
+    ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    np.testing.assert_allclose(smoothed, ref, rtol=1e-6)
+    np.testing.assert_allclose(nll, ref, rtol=1e-6)
+
+
+def test_metric_sums_count_tokens_and_sequences():
+    logits = jnp.array(np.eye(4)[[[1, 2, 3], [1, 1, 0], [0, 0, 0]]] * 5.0)  # argmax = index
+    labels = jnp.array([[1, 2, 3], [1, 2, 0], [0, 0, 0]])  # row 2 is a padding row
+    sums = losses.metrics_sums(logits, labels, 0.0)
+    assert float(sums["tokens"]) == 5.0
+    assert float(sums["correct"]) == 4.0
+    assert float(sums["sequences"]) == 2.0
+    assert float(sums["seq_correct"]) == 1.0
+    summary = losses.summarize({k: float(v) for k, v in sums.items()})
+    assert summary["token_accuracy"] == pytest.approx(0.8)
+    assert summary["perplexity"] == pytest.approx(math.exp(summary["nll"]))
+
+
+@pytest.mark.parametrize("step", [1, 100, 3999, 4000, 4001, 100000])
+def test_schedule_is_the_paper_formula(step):
+    schedule = optim.paper_schedule(d_model=512, warmup_steps=4000)
+    expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+    # optax passes the 0-based count of updates already made.
+    assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_other_schedules():
+    const = optim.make_schedule(
+        "constant", d_model=8, warmup_steps=10, learning_rate=0.1, total_steps=100
+    )
+    assert float(const(5)) == pytest.approx(0.05)
+    assert float(const(50)) == pytest.approx(0.1)
+    cos = optim.make_schedule(
+        "cosine", d_model=8, warmup_steps=10, learning_rate=0.1, total_steps=100
+    )
+    assert float(cos(100)) == pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(ValueError, match="schedule"):
+        optim.make_schedule("linear", d_model=8, warmup_steps=1, learning_rate=1.0, total_steps=1)
+
+
+def test_gradient_clipping_bounds_the_update_norm():
+    tx = optim.make_optimizer(optax.constant_schedule(1.0), grad_clip_norm=1.0)
+    params = {"w": jnp.zeros(3)}
+    grads = {"w": jnp.array([30.0, 40.0, 0.0])}
+    clipped, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    assert float(optax.global_norm(clipped)) == pytest.approx(1.0, rel=1e-5)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert np.all(np.isfinite(updates["w"]))
