@@ -255,11 +255,28 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, tra
     return tok, True
 
 
+def _print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
+    """Logs the first `count` held-out examples and up to `count` of the errors."""
+    sources = []
+    for i in range(len(dataset)):
+        batch = dataset[i]
+        sources.extend(tokenizer.decode_batch(batch["inputs"][batch["valid"]]))
+    rows = list(zip(sources, pairs))
+    errors = [r for r in rows if r[1][0] != r[1][1]]
+    log(f"held-out test examples ({len(errors)} of {len(rows)} wrong), source => prediction:")
+    for src, (hyp, ref) in rows[:count] + errors[:count]:
+        log(
+            f"  {'ok ' if hyp == ref else 'ERR'} {src} => {hyp}"
+            + ("" if hyp == ref else f"  (expected: {ref})")
+        )
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
 ) -> dict[str, float]:
     """Trains (or resumes) the run in `workdir`, evaluates, and returns final test metrics."""
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    # tqdm.write keeps log lines from tearing the progress bar.
+    log = log or (lambda s: tqdm.write(s, file=sys.stderr))
     run_config_lib.validate(config)
     splits = run_config_lib.load_splits(config.data)
     tokenizer, new_vocab = load_or_train_tokenizer(config, workdir, splits["train"])
@@ -354,7 +371,7 @@ def train_and_evaluate(
         return metrics, pairs
 
     sums_acc: dict[str, jax.Array] | None = None
-    t_log, tokens_log = time.perf_counter(), 0.0
+    t_log, last_logged = time.perf_counter(), start
     bar = tqdm(
         total=t.num_steps,
         initial=start,
@@ -373,17 +390,21 @@ def train_and_evaluate(
             fetched = jax.device_get(sums_acc)
             elapsed = time.perf_counter() - t_log
             metrics = losses.summarize(fetched)
-            steps_in = t.log_every if done % t.log_every == 0 else done - step
-            metrics["grad_norm"] = float(fetched["grad_norm"]) / max(steps_in, 1)
-            metrics["tokens_per_sec"] = (float(fetched["tokens"]) - tokens_log) / elapsed
+            # grad_norm is summed over the steps since the last record: report the mean.
+            metrics["grad_norm"] = float(fetched["grad_norm"]) / (done - last_logged)
+            metrics["tokens_per_sec"] = float(fetched["tokens"]) / elapsed
             metrics["learning_rate"] = float(schedule(done - 1))
             writer.write(done, "train", metrics)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
-            sums_acc, t_log, tokens_log = None, time.perf_counter(), 0.0
+            sums_acc, t_log, last_logged = None, time.perf_counter(), done
         bar.update(1)
+        paused = False
         if t.eval_every and done % t.eval_every == 0 and done != t.num_steps:
             run_eval("validation", done, t.eval_max_batches or None)
-        ckpt.save(done, state, meta)
+            paused = True
+        paused |= ckpt.save(done, state, meta)
+        if paused:  # tokens/s measures training alone, not evaluation or checkpointing
+            t_log = time.perf_counter()
     bar.close()
     final_step = int(state.step)
     ckpt.save(final_step, state, meta, force=True)
@@ -394,12 +415,7 @@ def train_and_evaluate(
         metrics, pairs = run_eval(split, final_step)
         results.update({f"{split}_{k}": v for k, v in metrics.items()})
         if split == "test" and t.num_examples_to_print:
-            first = eval_sets[split][0]
-            srcs = tokenizer.decode_batch(first["inputs"][first["valid"]])
-            log(f"examples from the held-out {split} split (source => prediction | reference):")
-            for src, (hyp, ref) in list(zip(srcs, pairs))[: t.num_examples_to_print]:
-                mark = "ok " if hyp == ref else "ERR"
-                log(f"  {mark} {src} => {hyp} | {ref}")
+            _print_examples(eval_sets[split], tokenizer, pairs, t.num_examples_to_print, log)
     writer.close()
     ckpt.close()
     return results
