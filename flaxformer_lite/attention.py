@@ -141,7 +141,8 @@ class MultiHeadAttention(nn.Module):
     [D, 3, N, H] kernel so that a step does one matmul instead of three (each
     [D, N, H] slice is still a separate per-head W_Q, W_K or W_V). For
     cross-attention W_Q is [D, N, H] and W_K, W_V are stacked as [D, 2, N, H]:
-    the encoder side is projected once per source.
+    `project_kv` projects the encoder side once per source, and decoding
+    reuses the result at every step.
     """
 
     config: TransformerConfig
@@ -158,12 +159,24 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _bias(self, name: str, shape, axes):
-        return self.param(
-            name,
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), axes),
-            shape,
-            self.config.param_dtype,
-        )
+        init = nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+        return self.param(name, init, shape, self.config.param_dtype)
+
+    def setup(self):
+        cfg = self.config
+        d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
+        stacked = ("embed", "qkv", "heads", "kv")
+        if self.self_attention:
+            self.qkv_kernel = self._kernel("qkv_kernel", (d, 3, n, h), stacked, 0, (2, 3), (1,))
+            self.qkv_bias = self._bias("qkv_bias", (3, n, h), ("qkv", "heads", "kv"))
+        else:
+            self.q_kernel = self._kernel("q_kernel", (d, n, h), ("embed", "heads", "kv"), 0, (1, 2))
+            self.q_bias = self._bias("q_bias", (n, h), ("heads", "kv"))
+            self.kv_kernel = self._kernel("kv_kernel", (d, 2, n, h), stacked, 0, (2, 3), (1,))
+            self.kv_bias = self._bias("kv_bias", (2, n, h), ("qkv", "heads", "kv"))
+        self.out_kernel = self._kernel("out_kernel", (n, h, d), ("heads", "kv", "embed"), (0, 1), 2)
+        self.out_bias = self._bias("out_bias", (d,), ("embed",))
+        self.dropout = nn.Dropout(cfg.attention_dropout_rate)
 
     def project_kv(self, inputs_kv: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Projects the encoder output to cross-attention keys and values.
@@ -173,20 +186,11 @@ class MultiHeadAttention(nn.Module):
         Returns:
           (keys, values), each [batch, kv_len, heads, head_dim].
         """
-        cfg = self.config
-        d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
-        w = self._kernel(
-            "kv_kernel", (d, 2, n, h), ("embed", "qkv", "heads", "kv"), 0, (2, 3), (1,)
-        )
-        b = self._bias("kv_bias", (2, n, h), ("qkv", "heads", "kv"))
-        x = inputs_kv.astype(cfg.dtype)
-        kv = (
-            jnp.einsum("bsd,dcnh->cbsnh", x, w.astype(cfg.dtype))
-            + b.astype(cfg.dtype)[:, None, None]
-        )  # [2, B, S, N, H]
+        dt = self.config.dtype
+        kv = jnp.einsum("bsd,dcnh->cbsnh", inputs_kv.astype(dt), self.kv_kernel.astype(dt))
+        kv = kv + self.kv_bias.astype(dt)[:, None, None]  # [2, B, S, N, H]
         return kv[0], kv[1]
 
-    @nn.compact
     def __call__(
         self,
         inputs_q: jax.Array,
@@ -195,53 +199,52 @@ class MultiHeadAttention(nn.Module):
         *,
         deterministic: bool,
         return_weights: bool = False,
-    ):
+        cache: dict | None = None,
+        cross_kv: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, jax.Array | None, dict | None]:
         """Attends from `inputs_q` to `inputs_kv` (to itself when self-attention).
 
         Args:
           inputs_q: [batch, q_len, d_model].
-          inputs_kv: [batch, kv_len, d_model] for cross-attention; ignored (may
-            be None) for self-attention.
-          mask: bool[batch, q_len, kv_len] or None.
+          inputs_kv: [batch, kv_len, d_model] for cross-attention (unused when
+            `cross_kv` is given); ignored for self-attention.
+          mask: bool[batch, q_len, kv_len] (kv_len = cache length with a cache).
           deterministic: disables attention dropout.
-          return_weights: also return float32[batch, heads, q_len, kv_len]
+          return_weights: also compute float32[batch, heads, q_len, kv_len]
             (forces the vmap core).
+          cache: self-attention only: {"k", "v": [batch, max_len, heads,
+            head_dim], "index": int32 scalar}. The new keys/values are written
+            at [index, index + q_len) and attention runs over the whole cache.
+          cross_kv: cross-attention only: precomputed `project_kv` output.
         Returns:
-          [batch, q_len, d_model] (and the weights when asked).
+          (output [batch, q_len, d_model], weights or None, updated cache or None).
         """
         cfg = self.config
-        d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
-        x = inputs_q.astype(cfg.dtype)
+        dt = cfg.dtype
+        x = inputs_q.astype(dt)
+        new_cache = None
         if self.self_attention:
-            w = self._kernel(
-                "qkv_kernel", (d, 3, n, h), ("embed", "qkv", "heads", "kv"), 0, (2, 3), (1,)
-            )
-            b = self._bias("qkv_bias", (3, n, h), ("qkv", "heads", "kv"))
-            qkv = (
-                jnp.einsum("btd,dcnh->cbtnh", x, w.astype(cfg.dtype))
-                + b.astype(cfg.dtype)[:, None, None]
-            )  # [3, B, T, N, H]
+            qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.qkv_kernel.astype(dt))
+            qkv = qkv + self.qkv_bias.astype(dt)[:, None, None]  # [3, B, T, N, H]
             q, k, v = qkv[0], qkv[1], qkv[2]
+            if cache is not None:
+                at = (0, cache["index"], 0, 0)
+                k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at)
+                v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)
+                new_cache = {"k": k, "v": v, "index": cache["index"] + x.shape[1]}
         else:
-            w = self._kernel("q_kernel", (d, n, h), ("embed", "heads", "kv"), 0, (1, 2))
-            b = self._bias("q_bias", (n, h), ("heads", "kv"))
-            q = jnp.einsum("btd,dnh->btnh", x, w.astype(cfg.dtype)) + b.astype(cfg.dtype)
-            k, v = self.project_kv(inputs_kv)  # [B, S, N, H] each
+            q = jnp.einsum("btd,dnh->btnh", x, self.q_kernel.astype(dt))
+            q = q + self.q_bias.astype(dt)  # [B, T, N, H]
+            k, v = cross_kv if cross_kv is not None else self.project_kv(inputs_kv)
 
         weights = None
-        use_fast = cfg.attention_impl == "fast" and not return_weights
-        needs_dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
-        if use_fast and not needs_dropout:
+        dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
+        if cfg.attention_impl == "fast" and not (return_weights or dropout):
             out = fast_attention(q, k, v, mask)  # [B, T, N, H]
         else:
             out, weights = batched_attention(q, k, v, mask)
-            if needs_dropout:
-                dropped = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
-                out = jnp.einsum("bnts,bsnh->btnh", dropped.astype(cfg.dtype), v)
-
-        wo = self._kernel("out_kernel", (n, h, d), ("heads", "kv", "embed"), (0, 1), 2)
-        bo = self._bias("out_bias", (d,), ("embed",))
-        y = jnp.einsum("btnh,nhd->btd", out, wo.astype(cfg.dtype)) + bo.astype(cfg.dtype)
-        if return_weights:
-            return y, weights
-        return y
+            if dropout:
+                dropped = self.dropout(weights, deterministic=False)
+                out = jnp.einsum("bnts,bsnh->btnh", dropped.astype(dt), v)
+        y = jnp.einsum("btnh,nhd->btd", out, self.out_kernel.astype(dt))
+        return y + self.out_bias.astype(dt), weights, new_cache

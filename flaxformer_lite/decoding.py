@@ -2,17 +2,26 @@
 
 Every search takes a `TokensToLogits` callable and the cache it starts from.
 The cache is an arbitrary pytree owned by the caller's adapter (see
-`inference.py`); search code only threads it through.
+`inference.py`); search code only threads it through, and beam search
+reorders the leading axis of its array leaves by beam (scalar leaves, such as
+a step index, are left alone). Every loop is a `lax.scan` over a fixed number
+of steps, so a search compiles once per shape and runs without Python work per
+token.
+
+Sequences returned by the searches hold the generated tokens only (no BOS),
+EOS included, and PAD_ID after EOS.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import PAD_ID
+
+NEG_INF = -1.0e7  # log-probability of an impossible candidate; finite so sums stay ordered
 
 
 class TokensToLogits(Protocol):
@@ -28,7 +37,40 @@ class TokensToLogits(Protocol):
     def __call__(self, token_ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
 
 
-def greedy_search(
+# ----------------------------------------------------------------------------
+# Greedy and sampling.
+# ----------------------------------------------------------------------------
+
+
+def _filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Keeps the top-k tokens and the smallest nucleus with mass >= top_p; the rest -inf.
+
+    Args:
+      logits: float32[batch, vocab] (already divided by the temperature).
+    Returns:
+      float32[batch, vocab].
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if 0.0 < top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)  # [B, V] best first
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # A token is kept while the mass *before* it is below top_p, so the
+        # token that crosses top_p is in the nucleus and the best is always kept.
+        before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = before < top_p
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return logits
+
+
+def sample_search(
     tokens_to_logits: TokensToLogits,
     cache: Any,
     *,
@@ -36,28 +78,203 @@ def greedy_search(
     max_len: int,
     bos_id: int,
     eos_id: int,
+    rng: jax.Array | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_len: int = 0,
+    first_tokens: jax.Array | None = None,
 ) -> jax.Array:
-    """Greedy decoding as one `lax.scan` of `max_len` steps.
+    """Greedy decoding (temperature 0) or sampling, as one `lax.scan` of `max_len` steps.
 
-    Once a row has emitted EOS it emits PAD_ID; the step still runs (fixed
-    shapes) but its choice is discarded.
+    Each row draws from its own key stream (the step key folded with the row
+    index), so a row's sample does not depend on the batch it sits in. Once a
+    row has emitted EOS it emits PAD_ID.
 
+    Args:
+      rng: PRNG key; required when temperature > 0.
+      temperature: 0 = argmax; otherwise logits / temperature.
+      top_k: keep the k most likely tokens (0 = all).
+      top_p: nucleus sampling mass (1.0 = all).
+      min_len: EOS is forbidden until this many tokens were generated.
+      first_tokens: int32[batch] fed at the first step (default: BOS), e.g. the
+        last token of a forced prefix whose other tokens are already cached.
     Returns:
-      int32[batch, max_len] tokens, EOS included, PAD_ID after it.
+      int32[batch, max_len].
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature > 0 and rng is None:
+        raise ValueError("sampling (temperature > 0) needs an explicit rng key")
+    rows = jnp.arange(batch_size)
 
-    def step(carry, _):
+    def step(carry, i):
         prev, done, cache = carry  # int32[B, 1], bool[B], cache
         logits, cache = tokens_to_logits(prev, cache)  # [B, V]
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
-        nxt = jnp.where(done, PAD_ID, nxt)
+        logits = logits.astype(jnp.float32)
+        logits = jnp.where(
+            (i < min_len) & (jnp.arange(logits.shape[-1]) == eos_id), -jnp.inf, logits
+        )
+        if temperature == 0.0:
+            nxt = jnp.argmax(logits, axis=-1)
+        else:
+            filtered = _filter_logits(logits / temperature, top_k, top_p)
+            keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, i), r))(rows)
+            nxt = jax.vmap(jax.random.categorical)(keys, filtered)
+        nxt = jnp.where(done, PAD_ID, nxt.astype(jnp.int32))
         done = done | (nxt == eos_id)
         return (nxt[:, None], done, cache), nxt
 
+    if first_tokens is None:
+        first_tokens = jnp.full((batch_size,), bos_id, jnp.int32)
     init = (
-        jnp.full((batch_size, 1), bos_id, jnp.int32),
+        first_tokens.astype(jnp.int32)[:, None],
         jnp.zeros((batch_size,), jnp.bool_),
         cache,
     )
-    _, tokens = jax.lax.scan(step, init, None, length=max_len)  # [L, B]
+    _, tokens = jax.lax.scan(step, init, jnp.arange(max_len))  # [L, B]
     return tokens.T
+
+
+def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, **kwargs) -> jax.Array:
+    """Greedy decoding: `sample_search` at temperature 0. Returns int32[batch, max_len]."""
+    return sample_search(tokens_to_logits, cache, temperature=0.0, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Beam search.
+# ----------------------------------------------------------------------------
+
+
+def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
+    """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016); 1 when alpha = 0."""
+    return ((5.0 + length.astype(jnp.float32)) / 6.0) ** alpha
+
+
+class BeamState(NamedTuple):
+    """The beam search carry. K = beam size, L = max_len."""
+
+    live_seqs: jax.Array  # int32[B, K, L] generated tokens of the live beams
+    live_logp: jax.Array  # float32[B, K] summed log-probabilities
+    last: jax.Array  # int32[B, K] token to feed next (BOS at first)
+    cache: Any  # the adapter's cache, leading axis B*K (flattened batch-major)
+    fin_seqs: jax.Array  # int32[B, K, L] finished hypotheses
+    fin_scores: jax.Array  # float32[B, K] length-normalised scores (NEG_INF: empty slot)
+    done: jax.Array  # bool[B] no live beam can beat the worst kept finished one
+
+
+def _gather_beams(x: jax.Array, beam_idx: jax.Array) -> jax.Array:
+    """x [B, K', ...] -> [B, K, ...] picking beam_idx int[B, K] along axis 1."""
+    return jnp.take_along_axis(x, beam_idx.reshape(*beam_idx.shape, *([1] * (x.ndim - 2))), axis=1)
+
+
+def _gather_cache(cache: Any, beam_idx: jax.Array, batch: int, beams: int) -> Any:
+    """Reorders the [B*K, ...] leaves of a cache by parent beam; scalars stay."""
+
+    def gather(leaf):
+        if leaf.ndim == 0:
+            return leaf
+        grouped = leaf.reshape(batch, beams, *leaf.shape[1:])
+        return _gather_beams(grouped, beam_idx).reshape(leaf.shape)
+
+    return jax.tree.map(gather, cache)
+
+
+def beam_search(
+    tokens_to_logits: TokensToLogits,
+    cache: Any,
+    *,
+    batch_size: int,
+    beam_size: int,
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    alpha: float = 0.6,
+    min_len: int = 0,
+    first_tokens: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Beam search as one `lax.scan` of `max_len` steps.
+
+    The cache given must already hold batch_size * beam_size rows (batch-major:
+    row b * K + k is beam k of example b); the adapter expands the encoder side
+    to beams once. Each step scores all K*V continuations, keeps the top 2K so
+    that K beams stay alive when some of them end in EOS, moves the EOS ones to
+    the finished set with score logp / ((5 + len) / 6) ** alpha (len counts
+    the generated tokens, EOS included), and reorders the cache by parent beam.
+    At the last step every live beam is finished as it stands. Once every
+    example is done (no live beam can beat its worst kept finished hypothesis)
+    the remaining steps are skipped with `lax.cond`.
+
+    Args:
+      alpha: length-penalty exponent (0 = none).
+      min_len: EOS is forbidden until this many tokens were generated.
+      first_tokens: int32[batch] fed at the first step (default: BOS).
+    Returns:
+      (sequences int32[batch, beam, max_len], scores float32[batch, beam]),
+      sorted best first along the beam axis: n-best lists.
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    b, k, length = batch_size, beam_size, max_len
+    if first_tokens is None:
+        first_tokens = jnp.full((b,), bos_id, jnp.int32)
+    # Only beam 0 is live at first: identical beams would fill the top-K with duplicates.
+    init = BeamState(
+        live_seqs=jnp.zeros((b, k, length), jnp.int32),
+        live_logp=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
+        last=jnp.tile(first_tokens.astype(jnp.int32)[:, None], (1, k)),
+        cache=cache,
+        fin_seqs=jnp.zeros((b, k, length), jnp.int32),
+        fin_scores=jnp.full((b, k), NEG_INF, jnp.float32),
+        done=jnp.zeros((b,), jnp.bool_),
+    )
+    max_penalty = length_penalty(jnp.asarray(max_len), alpha)
+
+    def advance(state: BeamState, i: jax.Array) -> BeamState:
+        logits, cache = tokens_to_logits(state.last.reshape(b * k, 1), state.cache)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B*K, V]
+        v = logp.shape[-1]
+        logp = logp.reshape(b, k, v)
+        logp = jnp.where((i < min_len) & (jnp.arange(v) == eos_id), NEG_INF, logp)
+        cand = (state.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K*V]
+        cand_logp, flat = jax.lax.top_k(cand, 2 * k)  # [B, 2K]
+        parent, token = flat // v, (flat % v).astype(jnp.int32)  # [B, 2K]
+        seqs = _gather_beams(state.live_seqs, parent)  # [B, 2K, L]
+        seqs = jax.lax.dynamic_update_slice_in_dim(seqs, token[:, :, None], i, axis=2)
+        is_eos = token == eos_id
+        last_step = i == max_len - 1
+
+        # Finished candidates: the EOS ones (all of them at the last step).
+        ends = (is_eos | last_step) & (cand_logp > NEG_INF / 2)
+        new_scores = jnp.where(ends, cand_logp / length_penalty(i + 1, alpha), NEG_INF)
+        all_seqs = jnp.concatenate([state.fin_seqs, seqs], axis=1)  # [B, 3K, L]
+        all_scores = jnp.concatenate([state.fin_scores, new_scores], axis=1)
+        fin_scores, keep = jax.lax.top_k(all_scores, k)  # sorted best first
+        fin_seqs = _gather_beams(all_seqs, keep)
+
+        # Live beams: the best K candidates that did not end.
+        live_cand = jnp.where(is_eos, NEG_INF, cand_logp)
+        live_logp, pick = jax.lax.top_k(live_cand, k)  # [B, K]
+        live_seqs = _gather_beams(seqs, pick)
+        last = _gather_beams(token, pick)
+        cache = _gather_cache(cache, _gather_beams(parent, pick), b, k)
+
+        # Done when the best live beam, even at its most favourable length, cannot
+        # beat the worst finished hypothesis we keep (log-probs only fall).
+        best_live = live_logp[:, 0] / max_penalty
+        done = state.done | (fin_scores[:, -1] >= best_live) | last_step
+        # Examples already done keep their finished set untouched.
+        keep_old = state.done
+        fin_seqs = jnp.where(keep_old[:, None, None], state.fin_seqs, fin_seqs)
+        fin_scores = jnp.where(keep_old[:, None], state.fin_scores, fin_scores)
+        return BeamState(live_seqs, live_logp, last, cache, fin_seqs, fin_scores, done)
+
+    def step(state: BeamState, i):
+        state = jax.lax.cond(jnp.all(state.done), lambda s, _: s, advance, state, i)
+        return state, None
+
+    final, _ = jax.lax.scan(step, init, jnp.arange(max_len))
+    # Tokens after EOS are PAD: keep what search wrote up to and including EOS.
+    seqs = final.fin_seqs
+    after_eos = jnp.cumsum(jnp.cumsum(seqs == eos_id, axis=-1), axis=-1) > 1
+    return jnp.where(after_eos, PAD_ID, seqs), final.fin_scores

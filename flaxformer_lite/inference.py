@@ -1,50 +1,197 @@
-"""Adapters from a `Transformer` and its parameters to the search functions."""
+"""Adapters from a `Transformer` and its parameters to the search functions.
+
+`cached_step` is the production path: the source is encoded and projected to
+cross-attention keys/values once, a forced decoder prefix is written into
+the KV cache in one call, and each step runs the decoder on one new token.
+`full_recompute_step` reruns the whole decoder prefix at every step; it
+exists as the reference for tests and benchmarks.
+
+`decode` is the jitted entry point used by training evaluation, `decode.py`
+and `bench.py`.
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from flaxformer_lite import decoding
-from flaxformer_lite.model import Transformer
+from flaxformer_lite.model import Transformer, init_cache
+
+
+def _repeat_rows(tree, times: int):
+    """Repeats every non-scalar leaf `times` times along axis 0 (row b -> rows b*K..b*K+K-1)."""
+    if times == 1:
+        return tree
+    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, times, axis=0), tree)
+
+
+def cached_step(
+    model: Transformer,
+    params,
+    inputs: jax.Array,
+    *,
+    max_len: int,
+    prefix: jax.Array | None = None,
+    bos_id: int,
+    beams: int = 1,
+):
+    """A KV-cache `tokens_to_logits`, its initial cache and the first tokens to feed.
+
+    Args:
+      inputs: int32[B, S] source tokens.
+      max_len: tokens the search will generate.
+      prefix: int32[B, P] forced first target tokens (the same length for all
+        rows), or None. [BOS, prefix[:-1]] is written into the cache in one
+        call and the search starts by feeding prefix[:, -1].
+      beams: rows per example (beam size); the encoder side and the cache
+        are expanded to B * beams rows once, here.
+    Returns:
+      (tokens_to_logits, cache with B*beams rows, first_tokens int32[B]).
+    """
+    cfg = model.config
+    batch = inputs.shape[0]
+    variables = {"params": params}
+    encoded = model.apply(variables, inputs, method=Transformer.encode)  # [B, S, D]
+    cross_kv = model.apply(variables, encoded, method=Transformer.precompute_cross_kv)
+    fill_len = 0 if prefix is None else prefix.shape[1]  # BOS + prefix[:-1]
+    cache = init_cache(cfg, batch, fill_len + max_len)
+    if prefix is None:
+        first = jnp.full((batch,), bos_id, jnp.int32)
+    else:
+        bos = jnp.full((batch, 1), bos_id, jnp.int32)
+        fill = jnp.concatenate([bos, prefix[:, :-1].astype(jnp.int32)], axis=1)  # [B, P]
+        _, cache = model.apply(
+            variables, fill, cache, cross_kv, inputs, method=Transformer.decode_step
+        )
+        first = prefix[:, -1].astype(jnp.int32)
+    cross_kv, inputs_b, cache = _repeat_rows((cross_kv, inputs, cache), beams)
+
+    def tokens_to_logits(token_ids, cache):
+        logits, cache = model.apply(
+            variables, token_ids, cache, cross_kv, inputs_b, method=Transformer.decode_step
+        )
+        return logits[:, -1], cache  # [B*beams, V]
+
+    return tokens_to_logits, cache, first
 
 
 def full_recompute_step(
-    model: Transformer, params, encoded: jax.Array, inputs: jax.Array, max_len: int
+    model: Transformer,
+    params,
+    inputs: jax.Array,
+    *,
+    max_len: int,
+    prefix: jax.Array | None = None,
+    bos_id: int,
+    beams: int = 1,
 ):
     """A `tokens_to_logits` that reruns the whole decoder prefix at every step (no KV cache).
 
-    The cache is {"tokens": int32[B, max_len] decoder inputs so far (PAD
-    beyond), "index": int32 scalar}: step i writes the given token at
-    position i and returns the logits of position i.
-
-    Args:
-      encoded: [B, S, D] encoder output; inputs: int[B, S] source tokens.
-    Returns:
-      (tokens_to_logits, initial cache).
+    The cache is {"tokens": int32[B, P + max_len] decoder inputs so far (PAD
+    beyond), "index": int32 scalar}; step i writes the given token at position
+    index and returns the logits there. Same arguments and returns as
+    `cached_step`.
     """
     batch = inputs.shape[0]
+    variables = {"params": params}
+    encoded = model.apply(variables, inputs, method=Transformer.encode)
+    fill_len = 0 if prefix is None else prefix.shape[1]
+    tokens = jnp.zeros((batch, fill_len + max_len), jnp.int32)
+    if prefix is None:
+        first = jnp.full((batch,), bos_id, jnp.int32)
+    else:
+        tokens = tokens.at[:, 0].set(bos_id).at[:, 1:fill_len].set(prefix[:, :-1])
+        first = prefix[:, -1].astype(jnp.int32)
+    encoded, inputs_b, tokens = _repeat_rows((encoded, inputs, tokens), beams)
 
     def tokens_to_logits(token_ids, cache):
         i = cache["index"]
         tokens = jax.lax.dynamic_update_slice(cache["tokens"], token_ids, (0, i))  # [B, L]
-        logits = model.apply({"params": params}, encoded, inputs, tokens, method=Transformer.decode)
+        logits = model.apply(variables, encoded, inputs_b, tokens, method=Transformer.decode)
         step_logits = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)  # [B, V]
         return step_logits, {"tokens": tokens, "index": i + 1}
 
-    cache = {"tokens": jnp.zeros((batch, max_len), jnp.int32), "index": jnp.int32(0)}
-    return tokens_to_logits, cache
+    return tokens_to_logits, {"tokens": tokens, "index": jnp.int32(fill_len)}, first
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len", "bos_id", "eos_id"))
+class SearchConfig(NamedTuple):
+    """How to search; hashable, so it is a static argument of `decode`."""
+
+    method: str = "greedy"  # "greedy" | "sample" | "beam"
+    max_len: int = 64  # tokens to generate (EOS included)
+    beam_size: int = 4  # beams (method "beam")
+    alpha: float = 0.6  # GNMT length-penalty exponent (method "beam"; 0 = none)
+    temperature: float = 1.0  # method "sample"
+    top_k: int = 0  # method "sample"; 0 = no top-k filter
+    top_p: float = 1.0  # method "sample"; 1 = no nucleus filter
+    min_len: int = 0  # EOS forbidden until this many tokens were generated
+    cached: bool = True  # False: full recompute at every step (reference/benchmark)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "search", "bos_id", "eos_id"))
+def decode(
+    model: Transformer,
+    params,
+    inputs: jax.Array,
+    *,
+    search: SearchConfig,
+    bos_id: int,
+    eos_id: int,
+    prefix: jax.Array | None = None,
+    rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Encodes `inputs` int32[B, S] once and searches.
+
+    Returns:
+      (tokens int32[B, n, max_len], scores float32[B, n]) with n = beam_size for
+      beam search (n-best, best first; scores length-normalised log-probs) and
+      n = 1 otherwise (scores: summed log-probs are not tracked, so 0). Tokens
+      exclude the prefix, include EOS, and are PAD_ID after it.
+    """
+    batch = inputs.shape[0]
+    beams = search.beam_size if search.method == "beam" else 1
+    make = cached_step if search.cached else full_recompute_step
+    step, cache, first = make(
+        model, params, inputs, max_len=search.max_len, prefix=prefix, bos_id=bos_id, beams=beams
+    )
+    common = dict(
+        max_len=search.max_len,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        min_len=search.min_len,
+        first_tokens=first,
+    )
+    if search.method == "beam":
+        return decoding.beam_search(
+            step, cache, batch_size=batch, beam_size=beams, alpha=search.alpha, **common
+        )
+    if search.method == "sample":
+        tokens = decoding.sample_search(
+            step,
+            cache,
+            batch_size=batch,
+            rng=rng,
+            temperature=search.temperature,
+            top_k=search.top_k,
+            top_p=search.top_p,
+            **common,
+        )
+    elif search.method == "greedy":
+        tokens = decoding.greedy_search(step, cache, batch_size=batch, **common)
+    else:
+        raise ValueError(f"unknown search method {search.method!r}: greedy, sample or beam")
+    return tokens[:, None, :], jnp.zeros((batch, 1), jnp.float32)
+
+
 def greedy_decode(
     model: Transformer, params, inputs: jax.Array, *, max_len: int, bos_id: int, eos_id: int
 ) -> jax.Array:
-    """Encodes `inputs` int32[B, S] once and greedily decodes int32[B, max_len]."""
-    encoded = model.apply({"params": params}, inputs, method=Transformer.encode)
-    step, cache = full_recompute_step(model, params, encoded, inputs, max_len)
-    return decoding.greedy_search(
-        step, cache, batch_size=inputs.shape[0], max_len=max_len, bos_id=bos_id, eos_id=eos_id
+    """Cached greedy decoding: int32[B, S] -> int32[B, max_len]."""
+    tokens, _ = decode(
+        model, params, inputs, search=SearchConfig("greedy", max_len), bos_id=bos_id, eos_id=eos_id
     )
+    return tokens[:, 0]

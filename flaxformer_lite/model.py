@@ -5,7 +5,24 @@ search code can encode a source once and decode step by step; `__call__` is
 the teacher-forced forward pass used in training.
 
 Letter legend as in `attention.py` (B batch, S source length, T target
-length, D d_model, V vocabulary).
+length, D d_model, V vocabulary, L decoder cache length, N heads, H head dim).
+
+Decoding state (the only cache layout in the project):
+
+  cache = {
+    "layers": [{"k": [B, L, N, H], "v": [B, L, N, H]}] * num_decoder_layers,
+    "index": int32 scalar,  # positions already written; the next token's position
+  }
+  cross_kv = [(k [B, S, N, H], v [B, S, N, H])] * num_decoder_layers
+
+`cache` holds the decoder self-attention keys/values of the positions decoded
+so far (zeros beyond `index`); `cross_kv` holds the cross-attention
+keys/values, computed once per source by `Transformer.precompute_cross_kv`
+and reused at every step. `Transformer.decode_step` takes one or several new
+tokens (a forced prefix is written in one call), writes their keys/values at
+[index, index + T) and attends over the whole cache with a mask that hides
+positions >= index + t, so its cost per step does not depend on the prefix
+length.
 """
 
 from __future__ import annotations
@@ -30,7 +47,7 @@ class EncoderLayer(nn.Module):
         cfg = self.config
         attn = attention.MultiHeadAttention(cfg, self_attention=True, name="self_attention")
         x = Residual(cfg, name="self_attention_residual")(
-            lambda h: attn(h, None, mask, deterministic=deterministic),
+            lambda h: attn(h, None, mask, deterministic=deterministic)[0],
             x,
             deterministic=deterministic,
         )
@@ -43,53 +60,63 @@ class DecoderLayer(nn.Module):
 
     config: TransformerConfig
 
-    @nn.compact
+    def setup(self):
+        cfg = self.config
+        self.self_attention = attention.MultiHeadAttention(cfg, self_attention=True)
+        self.self_attention_residual = Residual(cfg)
+        self.cross_attention = attention.MultiHeadAttention(cfg, self_attention=False)
+        self.cross_attention_residual = Residual(cfg)
+        self.ffn = FeedForward(cfg)
+        self.ffn_residual = Residual(cfg)
+
     def __call__(
         self,
         y: jax.Array,
-        encoded: jax.Array,
+        encoded: jax.Array | None,
         self_mask: jax.Array,
         cross_mask: jax.Array,
         *,
         deterministic: bool,
         return_weights: bool = False,
-    ):
+        cache: dict | None = None,
+        cross_kv: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, jax.Array | None, dict | None]:
         """Runs one decoder layer.
 
         Args:
           y: [B, T, D] decoder activations.
-          encoded: [B, S, D] encoder output.
-          self_mask: bool[B, T, T] causal AND target padding.
+          encoded: [B, S, D] encoder output (unused when `cross_kv` is given).
+          self_mask: bool[B, T, T], or bool[B, T, L] with a cache.
           cross_mask: bool[B, T, S] source padding.
           return_weights: also return the cross-attention weights [B, N, T, S].
+          cache: this layer's {"k", "v", "index"} (see the module docstring).
+          cross_kv: this layer's precomputed cross-attention (k, v).
         Returns:
-          [B, T, D] (and the weights when asked).
+          (y [B, T, D], cross-attention weights or None, updated cache or None).
         """
-        cfg = self.config
-        self_attn = attention.MultiHeadAttention(cfg, self_attention=True, name="self_attention")
-        y = Residual(cfg, name="self_attention_residual")(
-            lambda h: self_attn(h, None, self_mask, deterministic=deterministic),
-            y,
-            deterministic=deterministic,
-        )
-        cross_attn = attention.MultiHeadAttention(cfg, self_attention=False, name="cross_attention")
-        weights = []
+        out = {}
 
-        def cross(h):
-            out = cross_attn(
-                h, encoded, cross_mask, deterministic=deterministic, return_weights=return_weights
+        def self_attend(h):
+            h, _, out["cache"] = self.self_attention(
+                h, None, self_mask, deterministic=deterministic, cache=cache
             )
-            if return_weights:
-                out, w = out
-                weights.append(w)
-            return out
+            return h
 
-        y = Residual(cfg, name="cross_attention_residual")(cross, y, deterministic=deterministic)
-        ffn = FeedForward(cfg, name="ffn")
-        y = Residual(cfg, name="ffn_residual")(ffn, y, deterministic=deterministic)
-        if return_weights:
-            return y, weights[0]
-        return y
+        def cross_attend(h):
+            h, out["weights"], _ = self.cross_attention(
+                h,
+                encoded,
+                cross_mask,
+                deterministic=deterministic,
+                return_weights=return_weights,
+                cross_kv=cross_kv,
+            )
+            return h
+
+        y = self.self_attention_residual(self_attend, y, deterministic=deterministic)
+        y = self.cross_attention_residual(cross_attend, y, deterministic=deterministic)
+        y = self.ffn_residual(self.ffn, y, deterministic=deterministic)
+        return y, out["weights"], out["cache"]
 
 
 class Encoder(nn.Module):
@@ -118,7 +145,33 @@ class Decoder(nn.Module):
     config: TransformerConfig
     embed: nn.Module
 
-    @nn.compact
+    def setup(self):
+        cfg = self.config
+        self.positions = AddPositions(cfg)
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+        self.layers = [DecoderLayer(cfg, name=f"layer_{i}") for i in range(cfg.num_decoder_layers)]
+        if cfg.norm == "pre":
+            self.final_norm = layer_norm(cfg, "final_norm")
+        if not cfg.tie_output_embedding:
+            self.logits_dense = nn.DenseGeneral(
+                cfg.output_vocab_size,
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.xavier_uniform(), ("embed", "vocab")
+                ),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                name="logits",
+            )
+
+    def _logits(self, y: jax.Array) -> jax.Array:
+        """[B, T, D] -> float32[B, T, V]."""
+        if self.config.norm == "pre":
+            y = self.final_norm(y)
+        if self.config.tie_output_embedding:
+            return self.embed.attend(y)
+        return self.logits_dense(y).astype(jnp.float32)
+
     def __call__(
         self,
         encoded: jax.Array,
@@ -139,14 +192,13 @@ class Decoder(nn.Module):
         Returns:
           float32[B, T, V] logits (and the weights when asked).
         """
-        cfg = self.config
         self_mask = attention.decoder_self_mask(decoder_inputs)  # [B, T, T]
         cross_mask = attention.cross_mask(decoder_inputs, inputs)  # [B, T, S]
-        y = AddPositions(cfg, name="positions")(self.embed(decoder_inputs))
-        y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+        y = self.positions(self.embed(decoder_inputs))
+        y = self.dropout(y, deterministic=deterministic)
         all_weights = []
-        for i in range(cfg.num_decoder_layers):
-            out = DecoderLayer(cfg, name=f"layer_{i}")(
+        for layer in self.layers:
+            y, w, _ = layer(
                 y,
                 encoded,
                 self_mask,
@@ -154,30 +206,48 @@ class Decoder(nn.Module):
                 deterministic=deterministic,
                 return_weights=return_weights,
             )
-            if return_weights:
-                y, w = out
-                all_weights.append(w)
-            else:
-                y = out
-        if cfg.norm == "pre":
-            y = layer_norm(cfg, "final_norm")(y)
-        if cfg.tie_output_embedding:
-            logits = self.embed.attend(y)
-        else:
-            logits = nn.DenseGeneral(
-                cfg.output_vocab_size,
-                dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.xavier_uniform(), ("embed", "vocab")
-                ),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
-                name="logits",
-            )(y)
-        logits = logits.astype(jnp.float32)
-        if return_weights:
-            return logits, all_weights
-        return logits
+            all_weights.append(w)
+        logits = self._logits(y)
+        return (logits, all_weights) if return_weights else logits
+
+    def cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """Every layer's cross-attention keys/values: [(k, v) [B, S, N, H]] * layers."""
+        return [layer.cross_attention.project_kv(encoded) for layer in self.layers]
+
+    def step(
+        self,
+        tokens: jax.Array,
+        cache: dict,
+        cross_kv: list[tuple[jax.Array, jax.Array]],
+        inputs: jax.Array,
+    ) -> tuple[jax.Array, dict]:
+        """Decodes `tokens` int[B, T] at positions [index, index + T) with a KV cache.
+
+        Returns:
+          (logits float32[B, T, V], updated cache). Layout in the module docstring.
+        """
+        index = cache["index"]
+        length = cache["layers"][0]["k"].shape[1]  # L
+        positions = index + jnp.arange(tokens.shape[1])  # [T]
+        # Query t sees cache positions <= index + t: causal over the prefix and
+        # within the new block; never the zeros beyond it.
+        self_mask = jnp.arange(length)[None, :] <= positions[:, None]  # [T, L]
+        self_mask = jnp.broadcast_to(self_mask, (tokens.shape[0], *self_mask.shape))
+        cross_mask = attention.cross_mask(tokens, inputs)  # [B, T, S]
+        y = self.positions(self.embed(tokens), positions[None, :])
+        new_layers = []
+        for layer, layer_cache, kv in zip(self.layers, cache["layers"], cross_kv, strict=True):
+            y, _, updated = layer(
+                y,
+                None,
+                self_mask,
+                cross_mask,
+                deterministic=True,
+                cache={**layer_cache, "index": index},
+                cross_kv=kv,
+            )
+            new_layers.append({"k": updated["k"], "v": updated["v"]})
+        return self._logits(y), {"layers": new_layers, "index": index + tokens.shape[1]}
 
 
 class Transformer(nn.Module):
@@ -218,12 +288,36 @@ class Transformer(nn.Module):
             return_weights=return_weights,
         )
 
+    def precompute_cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """Cross-attention keys/values of every decoder layer, once per source."""
+        return self.decoder.cross_kv(encoded)
+
+    def decode_step(
+        self,
+        tokens: jax.Array,
+        cache: dict,
+        cross_kv: list[tuple[jax.Array, jax.Array]],
+        inputs: jax.Array,
+    ) -> tuple[jax.Array, dict]:
+        """Cached decoding of int[B, T] new tokens -> (float32[B, T, V], new cache)."""
+        return self.decoder.step(tokens, cache, cross_kv, inputs)
+
     def __call__(
         self, inputs: jax.Array, decoder_inputs: jax.Array, *, deterministic: bool = True
     ) -> jax.Array:
         """Teacher-forced pass: int[B, S], int[B, T] -> float32[B, T, V]."""
         encoded = self.encode(inputs, deterministic=deterministic)
         return self.decode(encoded, inputs, decoder_inputs, deterministic=deterministic)
+
+
+def init_cache(config: TransformerConfig, batch: int, max_len: int) -> dict:
+    """An empty decoder cache for `batch` rows and `max_len` positions (zeros, index 0)."""
+    shape = (batch, max_len, config.num_heads, config.head_dim)
+    layer = lambda: {"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
+    return {
+        "layers": [layer() for _ in range(config.num_decoder_layers)],
+        "index": jnp.zeros((), jnp.int32),
+    }
 
 
 def shift_right(targets: jax.Array, bos_id: int) -> jax.Array:

@@ -114,5 +114,6 @@ def test_multihead_module_output_projection_and_d_kv():
     assert shapes["q_kernel"] == (12, 3, 5)
     assert shapes["kv_kernel"] == (12, 2, 3, 5)
     assert shapes["out_kernel"] == (3, 5, 12)
-    out = mha.apply({"params": params}, x, y, None, deterministic=True)
+    out, weights, cache = mha.apply({"params": params}, x, y, None, deterministic=True)
+    assert cache is None and weights.shape == (2, 3, 4, 6)
     assert out.shape == (2, 4, 12)
