@@ -169,15 +169,15 @@ def _gather_beams(x: jax.Array, beam_idx: jax.Array) -> jax.Array:
 
 
 def _gather_cache(cache: Any, beam_idx: jax.Array, batch: int, beams: int) -> Any:
-    """Reorders the [B*K, ...] leaves of a cache by parent beam; scalars stay."""
+    """Reorders the [B*K, ...] leaves of a cache by parent beam; scalars stay.
 
-    def gather(leaf):
-        if leaf.ndim == 0:
-            return leaf
-        grouped = leaf.reshape(batch, beams, *leaf.shape[1:])
-        return _gather_beams(grouped, beam_idx).reshape(leaf.shape)
-
-    return jax.tree.map(gather, cache)
+    A row gather on the flat leading axis: each row (one beam's whole cache) is
+    one contiguous block, so this is a block copy, not an element gather.
+    """
+    flat = (jnp.arange(batch)[:, None] * beams + beam_idx).reshape(-1)  # [B*K]
+    return jax.tree.map(
+        lambda leaf: leaf if leaf.ndim == 0 else jnp.take(leaf, flat, axis=0), cache
+    )
 
 
 def beam_search(
@@ -198,10 +198,12 @@ def beam_search(
     The cache given must already hold batch_size * beam_size rows (batch-major:
     row b * K + k is beam k of example b); the adapter expands the encoder side
     to beams once. Each step scores all K*V continuations, keeps the top 2K so
-    that K beams stay alive when some of them end in EOS, moves the EOS ones to
-    the finished set with score logp / ((5 + len) / 6) ** alpha (len counts
-    the generated tokens, EOS included), and reorders the cache by parent beam.
-    At the last step every live beam is finished as it stands. Once every
+    that K beams stay alive when some of them end in EOS, moves the EOS ones
+    ranked within the top K to the finished set with score
+    logp / ((5 + len) / 6) ** alpha (len counts the generated tokens, EOS
+    included), continues the best K that did not end, and reorders the cache
+    by parent beam. At the last step the top K candidates are finished as they
+    stand. With beam_size 1 and alpha 0 this is exactly greedy search. Once every
     example is done (no live beam can beat its worst kept finished hypothesis)
     the remaining steps are skipped with `lax.cond`.
 
@@ -236,16 +238,24 @@ def beam_search(
         v = logp.shape[-1]
         logp = logp.reshape(b, k, v)
         logp = jnp.where((i < min_len) & (jnp.arange(v) == eos_id), NEG_INF, logp)
-        cand = (state.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K*V]
-        cand_logp, flat = jax.lax.top_k(cand, 2 * k)  # [B, 2K]
-        parent, token = flat // v, (flat % v).astype(jnp.int32)  # [B, 2K]
+        # Top 2K of all K*V continuations in two stages: the global top 2K lies in
+        # the union of each beam's own top 2K, so a [B, K, V] -> [B, K, 2K] pass
+        # and a [B, 2K^2] -> [B, 2K] pass replace one top-k over K*V per row.
+        beam_best, beam_tok = jax.lax.top_k(logp, min(2 * k, v))  # [B, K, 2K]
+        cand = (state.live_logp[:, :, None] + beam_best).reshape(b, -1)  # [B, K*2K]
+        cand_logp, flat = jax.lax.top_k(cand, 2 * k)  # [B, 2K], sorted best first
+        parent = flat // beam_best.shape[-1]  # [B, 2K]
+        token = jnp.take_along_axis(beam_tok.reshape(b, -1), flat, axis=1).astype(jnp.int32)
         seqs = _gather_beams(state.live_seqs, parent)  # [B, 2K, L]
         seqs = jax.lax.dynamic_update_slice_in_dim(seqs, token[:, :, None], i, axis=2)
         is_eos = token == eos_id
         last_step = i == max_len - 1
 
-        # Finished candidates: the EOS ones (all of them at the last step).
-        ends = (is_eos | last_step) & (cand_logp > NEG_INF / 2)
+        # Finished candidates: EOS ones ranked within the top K (as in fairseq: an EOS
+        # below rank K would not have been a beam; this makes beam 1 exactly greedy),
+        # and at the last step every top-K candidate.
+        in_top_k = jnp.arange(2 * k) < k  # candidates come sorted best first
+        ends = (is_eos | last_step) & in_top_k & (cand_logp > NEG_INF / 2)
         new_scores = jnp.where(ends, cand_logp / length_penalty(i + 1, alpha), NEG_INF)
         all_seqs = jnp.concatenate([state.fin_seqs, seqs], axis=1)  # [B, 3K, L]
         all_scores = jnp.concatenate([state.fin_scores, new_scores], axis=1)

@@ -1,0 +1,157 @@
+"""Decoding benchmarks: what `bench.py` measures, importable for tests.
+
+All timings are wall-clock medians of repeated calls after a warm-up call,
+each ended by `block_until_ready`. Parameters are random (speed does not
+depend on their values), and EOS is forbidden so every search runs all its
+steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite import inference
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.model import Transformer, init_cache
+
+BOS, EOS = 2, 3
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    """(median seconds, all samples) of `fn()` after one warm-up call."""
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples), samples
+
+
+def _compile_seconds(jitted, *args, **kwargs) -> float:
+    t0 = time.perf_counter()
+    jitted.lower(*args, **kwargs).compile()
+    return time.perf_counter() - t0
+
+
+def decoder_step_bytes(params, config: TransformerConfig) -> int:
+    """Bytes of parameters one cached decode step reads.
+
+    Every decoder-layer weight except the cross-attention K/V projection
+    (applied once per source, not per step), plus the output projection.
+    """
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params["decoder"])[0]:
+        keys = [getattr(k, "key", "") for k in path]
+        if "kv_kernel" in keys or "kv_bias" in keys:
+            continue
+        total += leaf.size * leaf.dtype.itemsize
+    if config.tie_output_embedding:
+        table = params["shared_embedding" if config.share_embeddings else "target_embedding"]
+        total += table["embedding"].size * table["embedding"].dtype.itemsize
+    return total
+
+
+def decode_benchmark(
+    config: TransformerConfig,
+    *,
+    batch: int = 16,
+    source_len: int = 64,
+    new_tokens: int = 64,
+    beam_size: int = 4,
+    repeats: int = 3,
+    prefix_lens: tuple[int, ...] = (16, 256),
+    uncached: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length."""
+    model = Transformer(config)
+    rng = np.random.default_rng(0)
+    inputs = jnp.asarray(rng.integers(4, config.vocab_size, (batch, source_len)), jnp.int32)
+    params = jax.jit(
+        lambda: nn.meta.unbox(
+            model.init(jax.random.PRNGKey(0), inputs[:1], inputs[:1, :8])["params"]
+        )
+    )()
+    results: dict[str, float] = {}
+
+    def search(method: str, **kw):
+        cfg = inference.SearchConfig(method, new_tokens, min_len=new_tokens, **kw)
+        fn = functools.partial(inference.decode, model, search=cfg, bos_id=BOS, eos_id=EOS)
+        return fn
+
+    runs = [("greedy", search("greedy")), (f"beam{beam_size}", search("beam", beam_size=beam_size))]
+    if uncached:
+        runs.append(("greedy_uncached", search("greedy", cached=False)))
+    for name, fn in runs:
+        results[f"{name}_compile_s"] = _compile_seconds(
+            inference.decode,
+            model,
+            params,
+            inputs,
+            search=fn.keywords["search"],
+            bos_id=BOS,
+            eos_id=EOS,
+        )
+        seconds, _ = _timed(
+            lambda fn=fn: fn(params, inputs), 1 if name.endswith("uncached") else repeats
+        )
+        results[f"{name}_s"] = seconds
+        results[f"{name}_tokens_per_s"] = batch * new_tokens / seconds
+        log(
+            f"{name:>16}: {seconds:8.3f} s  {batch * new_tokens / seconds:9.1f} tokens/s  "
+            f"(compile {results[f'{name}_compile_s']:.1f} s)"
+        )
+    if uncached:
+        results["cached_speedup"] = results["greedy_uncached_s"] / results["greedy_s"]
+    results[f"beam{beam_size}_over_greedy"] = results[f"beam{beam_size}_s"] / results["greedy_s"]
+
+    # One decode step at different prefix lengths, in one cache of fixed capacity.
+    capacity = max(prefix_lens) + new_tokens
+    variables = {"params": params}
+    encoded = model.apply(variables, inputs, method=Transformer.encode)
+    cross_kv = model.apply(variables, encoded, method=Transformer.precompute_cross_kv)
+
+    # The cache is donated, as in the search loop, so a step writes it in place
+    # instead of copying every layer's [B, L, N, H] keys and values.
+    @functools.partial(jax.jit, donate_argnums=1)
+    def one_step(tokens, cache):
+        return model.apply(
+            variables, tokens, cache, cross_kv, inputs, method=Transformer.decode_step
+        )
+
+    step_bytes = decoder_step_bytes(params, config)
+    tokens = jnp.full((batch, 1), 5, jnp.int32)
+    for p in prefix_lens:
+        state = {"cache": init_cache(config, batch, capacity)}
+
+        def run(p=p, state=state):
+            cache = dict(state["cache"], index=jnp.int32(p))  # always at prefix length p
+            logits, state["cache"] = one_step(tokens, cache)
+            return logits
+
+        seconds, _ = _timed(run, max(repeats, 10))
+        results[f"step_ms_prefix{p}"] = seconds * 1e3
+        results[f"weights_gb_per_s_prefix{p}"] = step_bytes / seconds / 1e9
+        log(
+            f"step at prefix {p:>4}: {seconds * 1e3:7.2f} ms   weights {step_bytes / 1e6:.1f} MB "
+            f"-> {step_bytes / seconds / 1e9:.2f} GB/s"
+        )
+    results["step_weight_bytes"] = float(step_bytes)
+    # The search's own per-step cost, from the greedy run.
+    greedy_step = results["greedy_s"] / new_tokens
+    results["greedy_weights_gb_per_s"] = step_bytes / greedy_step / 1e9
+    log(
+        f"greedy search: {greedy_step * 1e3:.2f} ms/step -> "
+        f"{results['greedy_weights_gb_per_s']:.2f} GB/s of weights"
+    )
+    return results

@@ -1,0 +1,285 @@
+"""Decoding: the KV cache against the teacher-forced pass, and searches on hand-made logits."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from flaxformer_lite import decoding, inference
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.model import Transformer
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+BOS, EOS = 2, 3
+TINY = TransformerConfig(
+    vocab_size=29,
+    d_model=32,
+    num_heads=4,
+    d_ff=48,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    dropout_rate=0.0,
+)
+SRC = jnp.array([[5, 6, 7, 8, 0, 0, 0], [9, 10, 11, 12, 13, 14, 15], [16, 0, 0, 0, 0, 0, 0]])
+TGT = jnp.array([[BOS, 4, 5, 6, 7, 8], [BOS, 7, 8, 9, 10, 11], [BOS, 20, 21, 22, 23, 24]])
+
+
+def _params(cfg):
+    init = Transformer(cfg).init(jax.random.PRNGKey(1), SRC, TGT)
+    return nn.meta.unbox(init["params"])
+
+
+# ----------------------------------------------------------------------------
+# Cached decoding == the full teacher-forced pass.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes", [{}, {"norm": "pre", "positions": "learned"}, {"attention_impl": "fast"}]
+)
+def test_cached_steps_equal_full_forward(changes):
+    cfg = TINY.replace(**changes)
+    model, params = Transformer(cfg), _params(cfg)
+    full = model.apply({"params": params}, SRC, TGT)  # [B, T, V]
+    step, cache, first = inference.cached_step(model, params, SRC, max_len=6, bos_id=BOS)
+    np.testing.assert_array_equal(first, [BOS] * 3)
+    step = jax.jit(step)
+    for t in range(TGT.shape[1]):
+        logits, cache = step(TGT[:, t : t + 1], cache)
+        np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
+    assert int(cache["index"]) == 6
+
+
+def test_prefix_filled_in_one_call_equals_full_forward():
+    model, params = Transformer(TINY), _params(TINY)
+    full = model.apply({"params": params}, SRC, TGT)
+    prefix = TGT[:, 1:4]  # three forced target tokens
+    step, cache, first = inference.cached_step(
+        model, params, SRC, max_len=3, prefix=prefix, bos_id=BOS
+    )
+    assert int(cache["index"]) == 3  # BOS + prefix[:-1] written at once
+    np.testing.assert_array_equal(first, prefix[:, -1])
+    logits, cache = step(first[:, None], cache)
+    np.testing.assert_allclose(logits, full[:, 3], atol=1e-5, rtol=1e-5)
+    logits, _ = step(TGT[:, 4:5], cache)
+    np.testing.assert_allclose(logits, full[:, 4], atol=1e-5, rtol=1e-5)
+
+
+def test_cached_and_uncached_searches_agree():
+    model, params = Transformer(TINY), _params(TINY)
+    for method in ("greedy", "beam"):
+        a = inference.decode(
+            model, params, SRC, search=inference.SearchConfig(method, 6), bos_id=BOS, eos_id=EOS
+        )
+        b = inference.decode(
+            model,
+            params,
+            SRC,
+            search=inference.SearchConfig(method, 6, cached=False),
+            bos_id=BOS,
+            eos_id=EOS,
+        )
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_allclose(a[1], b[1], atol=1e-5)
+
+
+def test_beam_one_equals_greedy_on_a_model():
+    model, params = Transformer(TINY), _params(TINY)
+    greedy, _ = inference.decode(
+        model, params, SRC, search=inference.SearchConfig("greedy", 8), bos_id=BOS, eos_id=EOS
+    )
+    beam, _ = inference.decode(
+        model,
+        params,
+        SRC,
+        search=inference.SearchConfig("beam", 8, beam_size=1, alpha=0.0),
+        bos_id=BOS,
+        eos_id=EOS,
+    )
+    np.testing.assert_array_equal(greedy, beam)
+
+
+# ----------------------------------------------------------------------------
+# Hand-made language models: logits depend on (step, previous token) only.
+# ----------------------------------------------------------------------------
+
+A, B_, C = 4, 5, 6  # three ordinary tokens
+V = 7
+
+
+def table_lm(rules: dict[tuple[int, int], dict[int, float]], max_len: int, batch: int = 1):
+    """A tokens_to_logits from {(step, previous token): {next token: probability}}.
+
+    Unlisted (step, previous) pairs put all mass on EOS. Returns (fn, cache).
+    """
+    table = np.full((max_len, V, V), -1e9, np.float32)
+    table[:, :, EOS] = 0.0
+    for (step, prev), dist in rules.items():
+        table[step, prev] = -1e9
+        for tok, p in dist.items():
+            table[step, prev, tok] = math.log(p)
+    table = jnp.asarray(table)
+
+    def fn(ids, cache):
+        logits = table[cache["i"], ids[:, 0]]  # [rows, V]
+        return logits, {"i": cache["i"] + 1}
+
+    return fn, {"i": jnp.int32(0)}
+
+
+# Greedy takes A (0.6), then C (0.55), then EOS: 0.33. B then EOS has
+# 0.4 * 0.9 = 0.36, the best sequence; A then EOS has 0.27.
+BEAM_BEATS_GREEDY = {
+    (0, BOS): {A: 0.6, B_: 0.4},
+    (1, A): {C: 0.55, EOS: 0.45},
+    (1, B_): {EOS: 0.9, C: 0.1},
+    (2, C): {EOS: 1.0},
+}
+
+
+def test_beam_search_beats_greedy_exactly():
+    fn, cache = table_lm(BEAM_BEATS_GREEDY, 4)
+    greedy = decoding.greedy_search(fn, cache, batch_size=1, max_len=4, bos_id=BOS, eos_id=EOS)
+    assert greedy.tolist() == [[A, C, EOS, 0]]
+    seqs, scores = decoding.beam_search(
+        fn, cache, batch_size=1, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.0
+    )
+    assert seqs[0, 0].tolist() == [B_, EOS, 0, 0]
+    assert float(scores[0, 0]) == pytest.approx(math.log(0.4 * 0.9), abs=1e-5)
+    # The runner-up is greedy's answer, one token longer.
+    assert seqs[0, 1].tolist() == [A, C, EOS, 0]
+    assert float(scores[0, 1]) == pytest.approx(math.log(0.6 * 0.55), abs=1e-5)
+    one, _ = decoding.beam_search(
+        fn, cache, batch_size=1, beam_size=1, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.0
+    )
+    np.testing.assert_array_equal(one[:, 0], greedy)
+
+
+def test_beams_finish_at_different_lengths_nbest_sorted():
+    rules = {
+        (0, BOS): {A: 0.5, B_: 0.3, C: 0.2},
+        (1, A): {EOS: 0.2, A: 0.8},
+        (2, A): {EOS: 1.0},
+        (1, B_): {EOS: 1.0},
+        (1, C): {EOS: 1.0},
+    }
+    fn, cache = table_lm(rules, 5)
+    seqs, scores = decoding.beam_search(
+        fn, cache, batch_size=1, beam_size=3, max_len=5, bos_id=BOS, eos_id=EOS, alpha=0.0
+    )
+    expected = [([A, A, EOS, 0, 0], 0.5 * 0.8), ([B_, EOS, 0, 0, 0], 0.3), ([C, EOS, 0, 0, 0], 0.2)]
+    for k, (seq, p) in enumerate(expected):
+        assert seqs[0, k].tolist() == seq
+        assert float(scores[0, k]) == pytest.approx(math.log(p), abs=1e-5)
+
+
+def test_length_penalty_changes_the_winner():
+    # Short: B EOS with p = 0.5 (len 2). Long: A A A EOS with p = 0.45 (len 4).
+    rules = {
+        (0, BOS): {A: 0.5, B_: 0.5},
+        (1, B_): {EOS: 1.0},
+        (1, A): {A: 0.9, EOS: 0.1},
+        (2, A): {A: 1.0},
+        (3, A): {EOS: 1.0},
+    }
+    fn, cache = table_lm(rules, 6)
+    kwargs = dict(batch_size=1, beam_size=2, max_len=6, bos_id=BOS, eos_id=EOS)
+    seqs, scores = decoding.beam_search(fn, cache, alpha=0.0, **kwargs)
+    assert seqs[0, 0, :2].tolist() == [B_, EOS]
+    seqs, scores = decoding.beam_search(fn, cache, alpha=2.0, **kwargs)
+    assert seqs[0, 0, :4].tolist() == [A, A, A, EOS]
+    lp = ((5 + 4) / 6) ** 2.0
+    assert float(scores[0, 0]) == pytest.approx(math.log(0.45) / lp, abs=1e-5)
+
+
+def test_min_len_forbids_early_eos():
+    fn, cache = table_lm({(0, BOS): {EOS: 0.9, A: 0.1}, (1, A): {EOS: 1.0}}, 3)
+    out = decoding.greedy_search(
+        fn, cache, batch_size=1, max_len=3, bos_id=BOS, eos_id=EOS, min_len=1
+    )
+    assert out.tolist() == [[A, EOS, 0]]
+
+
+def test_batch_rows_are_independent_in_beam_search():
+    fn, cache = table_lm(BEAM_BEATS_GREEDY, 4)
+    one, s1 = decoding.beam_search(
+        fn, cache, batch_size=1, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.6
+    )
+    three, s3 = decoding.beam_search(
+        fn, cache, batch_size=3, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.6
+    )
+    for row in range(3):
+        np.testing.assert_array_equal(three[row, 0], one[0, 0])
+        np.testing.assert_allclose(s3[row, 0], s1[0, 0])
+
+
+# ----------------------------------------------------------------------------
+# Sampling.
+# ----------------------------------------------------------------------------
+
+
+def _constant_lm(logits_row, batch):
+    logits = jnp.tile(jnp.asarray(logits_row, jnp.float32), (batch, 1))
+    return (lambda ids, cache: (logits, cache)), {}
+
+
+ROW = [-1.0, 0.5, -2.0, 0.0, 2.0, 1.0, 1.5]  # distinct; order: 4 > 6 > 5 > 1 > 3 > 0 > 2
+
+
+def test_top_k_never_leaves_the_allowed_set():
+    fn, cache = _constant_lm(ROW, 4000)
+    out = decoding.sample_search(
+        fn,
+        cache,
+        batch_size=4000,
+        max_len=1,
+        bos_id=BOS,
+        eos_id=-1,
+        rng=jax.random.PRNGKey(0),
+        temperature=1.0,
+        top_k=3,
+    )
+    assert set(np.unique(out).tolist()) == {4, 6, 5}
+
+
+def test_top_p_never_leaves_the_nucleus():
+    probs = np.exp(ROW) / np.exp(ROW).sum()
+    order = np.argsort(-probs)
+    cum = np.cumsum(probs[order])
+    nucleus = set(order[: int(np.searchsorted(cum, 0.8)) + 1].tolist())
+    fn, cache = _constant_lm(ROW, 4000)
+    out = decoding.sample_search(
+        fn,
+        cache,
+        batch_size=4000,
+        max_len=1,
+        bos_id=BOS,
+        eos_id=-1,
+        rng=jax.random.PRNGKey(1),
+        temperature=1.0,
+        top_p=0.8,
+    )
+    assert set(np.unique(out).tolist()) == nucleus
+    assert len(nucleus) < V
+
+
+def test_sampling_is_reproducible_and_temperature_zero_is_greedy():
+    fn, cache = _constant_lm(ROW, 64)
+    kw = dict(batch_size=64, max_len=5, bos_id=BOS, eos_id=-1, temperature=1.0)
+    a = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    b = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    c = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(8), **kw)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert len(np.unique(np.asarray(a))) > 3  # it really samples
+    kw["temperature"] = 0.0
+    g = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    assert np.all(np.asarray(g) == 4)
+    with pytest.raises(ValueError, match="rng"):
+        decoding.sample_search(
+            fn, cache, batch_size=2, max_len=1, bos_id=BOS, eos_id=EOS, temperature=0.5
+        )
