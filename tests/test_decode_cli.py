@@ -1,0 +1,228 @@
+"""decode.py and decode_lib on one tiny trained checkpoint: alignment, bucketing, bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, tiny_config
+
+from flaxformer_lite import decode_lib, inference
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Normal lines, a blank line, CRLF, an over-long line, invalid UTF-8, no final newline.
+MIXED = b"en 12\n\nde 45\r\nen " + b"1" * 200 + b"\nde \xff\xfe 3\n   \nen 7"
+
+
+def run_decode(*args, stdin=b""):
+    return subprocess.run(
+        [sys.executable, "decode.py", *args],
+        cwd=ROOT,
+        env=ENV,
+        input=stdin,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tfds_dir, tmp_path_factory):
+    from flaxformer_lite import train_lib
+
+    path = str(tmp_path_factory.mktemp("decode") / "run")
+    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=60), path, log=lambda s: None)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(workdir):
+    from flaxformer_lite import train_lib
+
+    run_config, tokenizer = decode_lib.open_workdir(workdir)
+    model, state, _, _ = train_lib.restore_trained(workdir)
+    return model, state.params, tokenizer, run_config
+
+
+def greedy(run_config, **kw):
+    return decode_lib.make_search(run_config, beam_size=1, **kw)
+
+
+# ----------------------------------------------------------------------------
+# Pure helpers.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data, lines, invalid",
+    [
+        (b"", [], 0),
+        (b"\n", [""], 0),
+        (b"a\n", ["a"], 0),
+        (b"a", ["a"], 0),
+        (b"a\r\nb\r\n", ["a", "b"], 0),
+        (b"a\n\n", ["a", ""], 0),
+        (b"\xef\xbb\xbfa\n\xffb\n", ["a", "\ufffdb"], 1),
+    ],
+)
+def test_read_lines(tmp_path, data, lines, invalid):
+    path = tmp_path / "in.txt"
+    path.write_bytes(data)
+    assert decode_lib.read_lines(str(path)) == (lines, invalid)
+
+
+def test_buckets_and_batch_plan():
+    assert decode_lib.bucket_lengths(10) == (8, 10)
+    assert decode_lib.bucket_lengths(256) == (8, 16, 32, 64, 128, 256)
+    assert decode_lib.bucket_lengths(100) == (8, 16, 32, 64, 100)
+    assert decode_lib.bucket_lengths(5) == (5,)
+    plan = decode_lib.plan_batches([3, 0, 9, 5, 12, 1], 2, (8, 16))
+    assert plan == [([4, 2], 16), ([3, 0], 8), ([5], 8)]  # the empty line 1 is not decoded
+
+
+def test_format_line_keeps_one_line_per_input():
+    assert decode_lib.format_line([("a\nb\tc\r", -1.0)]) == "a b c "
+    line = decode_lib.format_line([("x\ty", -0.5), ("z", -1.25)], nbest=2)
+    assert line == "x y\t-0.5000\tz\t-1.2500"
+    assert decode_lib.format_line([], nbest=3) == ""
+
+
+def test_make_search_methods_and_errors():
+    rc = {"data": {"max_target_len": 16}, "model": {"positions": "sinusoidal", "max_len": 64}}
+    assert decode_lib.make_search(rc).method == "beam"
+    assert decode_lib.make_search(rc, beam_size=1).method == "greedy"
+    sample = decode_lib.make_search(rc, temperature=0.7, top_k=5)
+    assert (sample.method, sample.temperature, sample.max_len) == ("sample", 0.7, 16)
+    for kw in (
+        dict(nbest=2, beam_size=1),
+        dict(nbest=5, beam_size=4),
+        dict(nbest=2, temperature=1.0),
+        dict(top_p=0.9),
+        dict(min_len=16),
+    ):
+        with pytest.raises(decode_lib.InputError):
+            decode_lib.make_search(rc, **kw)
+
+
+def test_bleu_report_has_signature_and_checks_counts():
+    report = decode_lib.bleu_report(["forty-two", "zwei"], ["forty-two", "drei"])
+    assert "BLEU|nrefs:1|" in report and "chrF2|nrefs:1|" in report
+    with pytest.raises(decode_lib.InputError, match="1 lines but the input has 2"):
+        decode_lib.bleu_report(["a", "b"], ["a"])
+
+
+# ----------------------------------------------------------------------------
+# In-process decoding on the trained checkpoint.
+# ----------------------------------------------------------------------------
+
+
+def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
+    model, params, tokenizer, run_config = loaded
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(MIXED)
+    lines, invalid = decode_lib.read_lines(str(path))
+    assert len(lines) == 7 and invalid == 1
+    result = decode_lib.decode_lines(
+        model, params, tokenizer, run_config, lines, search=greedy(run_config), batch_size=4
+    )
+    assert len(result.hypotheses) == len(lines)
+    assert result.texts[1] == result.texts[5] == ""  # blank lines are passed through
+    assert all(result.hypotheses[i] for i in (0, 2, 3, 4, 6))
+    assert result.sources.num_empty == 2 and result.sources.num_truncated == 1
+    assert result.sources.num_unknown >= 1  # U+FFFD is not in the vocabulary
+    assert len(result.sources.ids[3]) == run_config["data"]["max_source_len"]
+    assert result.sources.ids[3][-1] == decode_lib.EOS_ID
+    with pytest.raises(decode_lib.InputError, match=r"\(line 4\)"):
+        decode_lib.decode_lines(
+            model, params, tokenizer, run_config, lines, search=greedy(run_config), strict=True
+        )
+
+
+def test_order_preserved_and_compilations_bounded(loaded):
+    model, params, tokenizer, run_config = loaded
+    # 1 to 7 digits: source lengths on both sides of the 8-token bucket.
+    lines = [f"{'en' if i % 2 else 'de'} {str(7 * i + 1) * (1 + i % 7)}"[:10] for i in range(21)]
+    # A max_len no other test uses, so every compilation of this search happens here.
+    search = greedy(run_config, max_len=12)
+    # The jitted function's cache counts the compilations directly (a private jax API).
+    cache_size = getattr(inference.decode, "_cache_size", lambda: 0)
+    before = cache_size()
+    together = decode_lib.decode_lines(
+        model, params, tokenizer, run_config, lines, search=search, batch_size=4
+    )
+    buckets = decode_lib.bucket_lengths(run_config["data"]["max_source_len"])
+    assert {length for _, length in together.batch_shapes} == set(buckets)
+    assert len(together.batch_shapes) <= len(buckets)
+    assert cache_size() - before <= len(buckets)
+    alone = [
+        decode_lib.decode_lines(model, params, tokenizer, run_config, [line], search=search)
+        for line in lines
+    ]
+    assert together.texts == [r.texts[0] for r in alone]
+
+
+# ----------------------------------------------------------------------------
+# The command line.
+# ----------------------------------------------------------------------------
+
+
+def test_cli_nbest_reference_attention(workdir, tmp_path):
+    src, ref, out, plots = (tmp_path / n for n in ("in.txt", "ref.txt", "out.txt", "plots"))
+    src.write_bytes(MIXED)
+    ref.write_text("twelve\n\nfünfundvierzig\neleven\ndrei\n\nseven\n", encoding="utf-8")
+    result = run_decode(
+        *("--workdir", workdir, "--input", str(src), "--output", str(out)),
+        *("--nbest", "3", "--beam_size", "3", "--reference", str(ref)),
+        *("--attention_png", str(plots), "--attention_count", "2"),
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr[-3000:]
+    assert result.stdout == b""
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert lines.pop() == "" and len(lines) == 7  # one line per input, newline-terminated
+    for i, line in enumerate(lines):
+        if i in (1, 5):
+            assert line == ""
+            continue
+        fields = line.split("\t")
+        assert len(fields) == 6, line
+        scores = [float(s) for s in fields[1::2]]
+        assert scores == sorted(scores, reverse=True)
+    assert "1 line(s) had invalid UTF-8" in stderr
+    assert "1 line(s) longer than 10 source tokens were truncated" in stderr
+    assert "unknown to the vocabulary" in stderr
+    bleu = [x for x in stderr.splitlines() if x.startswith("BLEU")]
+    assert len(bleu) == 1 and "nrefs:1" in bleu[0]
+    assert any(x.startswith("chrF") for x in stderr.splitlines())
+    pngs = sorted(os.listdir(plots))
+    assert pngs == ["attention_0000.png", "attention_0002.png"]  # line 1 is blank
+    for name in pngs:
+        assert (plots / name).read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("strict", "exceed the model's 10 source tokens (line 4)"),
+        ("missing", "does not exist; run train.py"),
+        ("empty", None),
+    ],
+)
+def test_cli_bad_input_one_line(workdir, tmp_path, case, words):
+    out = tmp_path / "out.txt"
+    if case == "strict":
+        args, stdin = ("--workdir", workdir, "--strict"), MIXED
+    elif case == "missing":
+        args, stdin = ("--workdir", str(tmp_path / "nope")), b"en 1\n"
+    else:
+        args, stdin = ("--workdir", workdir, "--output", str(out)), b""
+    result = run_decode(*args, stdin=stdin)
+    err = result.stderr.decode().strip().splitlines()
+    if words is None:
+        assert result.returncode == 0, err
+        assert err == ["input is empty: nothing to decode"]
+        assert out.read_bytes() == b"" and result.stdout == b""
+        return
+    assert result.returncode == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert result.stdout == b"" and not out.exists()
