@@ -67,6 +67,19 @@ def cross_mask(decoder_tokens: jax.Array, encoder_tokens: jax.Array) -> jax.Arra
     return padding_mask(decoder_tokens, encoder_tokens)
 
 
+def segment_mask(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
+    """Packed rows: a query attends only to keys of its own example.
+
+    Args:
+      query_segments: int[batch, q_len], 1, 2, ... per packed example, 0 = padding.
+      key_segments: int[batch, kv_len], same numbering.
+    Returns:
+      bool[batch, q_len, kv_len].
+    """
+    same = query_segments[:, :, None] == key_segments[:, None, :]
+    return same & (key_segments[:, None, :] != 0)
+
+
 # ----------------------------------------------------------------------------
 # The core, for one example and one head.
 # ----------------------------------------------------------------------------

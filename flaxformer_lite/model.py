@@ -126,11 +126,24 @@ class Encoder(nn.Module):
     embed: nn.Module
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, *, deterministic: bool) -> jax.Array:
-        """inputs: int[B, S] (PAD_ID = padding). Returns [B, S, D]."""
+    def __call__(
+        self,
+        inputs: jax.Array,
+        *,
+        deterministic: bool,
+        segments: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Encodes int[B, S] (PAD_ID = padding) -> [B, S, D].
+
+        For packed rows, `segments` int[B, S] numbers the examples (1, 2, ...;
+        0 = padding) and `positions` int[B, S] restarts at 0 for each.
+        """
         cfg = self.config
         mask = attention.padding_mask(inputs, inputs)  # [B, S, S]
-        x = AddPositions(cfg, name="positions")(self.embed(inputs))
+        if segments is not None:
+            mask = mask & attention.segment_mask(segments, segments)
+        x = AddPositions(cfg, name="positions")(self.embed(inputs), positions)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)  # §5.4
         for i in range(cfg.num_encoder_layers):
             x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic=deterministic)
@@ -180,6 +193,7 @@ class Decoder(nn.Module):
         *,
         deterministic: bool,
         return_weights: bool = False,
+        packing: dict[str, jax.Array] | None = None,
     ):
         """Teacher-forced decoder pass.
 
@@ -189,12 +203,21 @@ class Decoder(nn.Module):
           decoder_inputs: int[B, T] BOS + target prefix.
           return_weights: also return per-layer cross-attention weights
             (a list of float32[B, N, T, S]).
+          packing: for packed rows, {"inputs_segments" int[B, S],
+            "targets_segments" int[B, T], "targets_positions" int[B, T]}: a
+            target token attends only to its own example's prefix and source.
         Returns:
           float32[B, T, V] logits (and the weights when asked).
         """
         self_mask = attention.decoder_self_mask(decoder_inputs)  # [B, T, T]
         cross_mask = attention.cross_mask(decoder_inputs, inputs)  # [B, T, S]
-        y = self.positions(self.embed(decoder_inputs))
+        positions = None
+        if packing is not None:
+            tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
+            self_mask = self_mask & attention.segment_mask(tseg, tseg)
+            cross_mask = cross_mask & attention.segment_mask(tseg, sseg)
+            positions = packing["targets_positions"]
+        y = self.positions(self.embed(decoder_inputs), positions)
         y = self.dropout(y, deterministic=deterministic)
         all_weights = []
         for layer in self.layers:
@@ -266,9 +289,22 @@ class Transformer(nn.Module):
         self.encoder = Encoder(cfg, source_embed)
         self.decoder = Decoder(cfg, target_embed)
 
-    def encode(self, inputs: jax.Array, *, deterministic: bool = True) -> jax.Array:
-        """int[B, S] -> [B, S, D]."""
-        return self.encoder(inputs, deterministic=deterministic)
+    def encode(
+        self,
+        inputs: jax.Array,
+        *,
+        deterministic: bool = True,
+        packing: dict[str, jax.Array] | None = None,
+    ) -> jax.Array:
+        """int[B, S] -> [B, S, D]. `packing` as in `__call__`."""
+        if packing is None:
+            return self.encoder(inputs, deterministic=deterministic)
+        return self.encoder(
+            inputs,
+            deterministic=deterministic,
+            segments=packing["inputs_segments"],
+            positions=packing["inputs_positions"],
+        )
 
     def decode(
         self,
@@ -278,6 +314,7 @@ class Transformer(nn.Module):
         *,
         deterministic: bool = True,
         return_weights: bool = False,
+        packing: dict[str, jax.Array] | None = None,
     ):
         """Logits float32[B, T, V] for decoder inputs int[B, T] given encoded [B, S, D]."""
         return self.decoder(
@@ -286,6 +323,7 @@ class Transformer(nn.Module):
             decoder_inputs,
             deterministic=deterministic,
             return_weights=return_weights,
+            packing=packing,
         )
 
     def precompute_cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -303,11 +341,26 @@ class Transformer(nn.Module):
         return self.decoder.step(tokens, cache, cross_kv, inputs)
 
     def __call__(
-        self, inputs: jax.Array, decoder_inputs: jax.Array, *, deterministic: bool = True
+        self,
+        inputs: jax.Array,
+        decoder_inputs: jax.Array,
+        *,
+        deterministic: bool = True,
+        packing: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
-        """Teacher-forced pass: int[B, S], int[B, T] -> float32[B, T, V]."""
-        encoded = self.encode(inputs, deterministic=deterministic)
-        return self.decode(encoded, inputs, decoder_inputs, deterministic=deterministic)
+        """Teacher-forced pass: int[B, S], int[B, T] -> float32[B, T, V].
+
+        `packing` (several examples per row): {"inputs_segments",
+        "inputs_positions" int[B, S]; "targets_segments", "targets_positions"
+        int[B, T]}, segments numbered 1, 2, ... per row (0 = padding) and
+        positions restarting at 0 for each example. Attention never crosses
+        examples: encoder, decoder self- and cross-attention are all masked by
+        segment.
+        """
+        encoded = self.encode(inputs, deterministic=deterministic, packing=packing)
+        return self.decode(
+            encoded, inputs, decoder_inputs, deterministic=deterministic, packing=packing
+        )
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int) -> dict:
@@ -320,10 +373,11 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int) -> dict:
     }
 
 
-def shift_right(targets: jax.Array, bos_id: int) -> jax.Array:
+def shift_right(targets: jax.Array, bos_id: int, segments: jax.Array | None = None) -> jax.Array:
     """Teacher forcing: decoder inputs = BOS + targets[:, :-1].
 
-    Padding after the end stays padding because targets are right-padded.
+    Padding after the end stays padding because targets are right-padded. With
+    packed rows (`segments` int[B, T]), every example starts with its own BOS.
 
     Args:
       targets: int[B, T] target ids ending in EOS, right-padded with PAD_ID.
@@ -331,4 +385,9 @@ def shift_right(targets: jax.Array, bos_id: int) -> jax.Array:
       int[B, T].
     """
     bos = jnp.full((targets.shape[0], 1), bos_id, targets.dtype)
-    return jnp.concatenate([bos, targets[:, :-1]], axis=1)
+    shifted = jnp.concatenate([bos, targets[:, :-1]], axis=1)
+    if segments is None:
+        return shifted
+    previous = jnp.concatenate([jnp.zeros_like(segments[:, :1]), segments[:, :-1]], axis=1)
+    starts = (segments != previous) & (segments != 0)  # first token of each example
+    return jnp.where(starts, bos_id, jnp.where(segments == 0, 0, shifted))

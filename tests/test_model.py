@@ -153,3 +153,54 @@ def test_learned_positions_and_gelu_run():
 def test_bad_model_config_names_the_field(changes, words):
     with pytest.raises(ConfigError, match=words):
         TINY.replace(**changes)
+
+
+def test_packed_rows_equal_separate_rows():
+    """Two examples packed into one row give the logits (and loss) of two padded rows."""
+    from flaxformer_lite import losses
+
+    src_a, src_b = [5, 6, 7, 3], [9, 10, 3]
+    tgt_a, tgt_b = [11, 12, 3], [13, 14, 15, 3]
+    sep_src = jnp.array([src_a + [0] * 3, src_b + [0] * 4])
+    sep_tgt = jnp.array([tgt_a + [0] * 4, tgt_b + [0] * 3])
+    packed_src = jnp.array([src_a + src_b])
+    packed_tgt = jnp.array([tgt_a + tgt_b])
+    packing = {
+        "inputs_segments": jnp.array([[1] * 4 + [2] * 3]),
+        "inputs_positions": jnp.array([list(range(4)) + list(range(3))]),
+        "targets_segments": jnp.array([[1] * 3 + [2] * 4]),
+        "targets_positions": jnp.array([list(range(3)) + list(range(4))]),
+    }
+    for norm in ("post", "pre"):
+        cfg = TINY.replace(norm=norm)
+        params = _init(cfg)
+        model = Transformer(cfg)
+        sep = model.apply({"params": params}, sep_src, shift_right(sep_tgt, 2))
+        dec_in = shift_right(packed_tgt, 2, packing["targets_segments"])
+        np.testing.assert_array_equal(dec_in, [[2, 11, 12, 2, 13, 14, 15]])
+        packed = model.apply({"params": params}, packed_src, dec_in, packing=packing)
+        np.testing.assert_allclose(packed[0, :3], sep[0, :3], atol=1e-5)
+        np.testing.assert_allclose(packed[0, 3:], sep[1, :4], atol=1e-5)
+        loss_sep = losses.cross_entropy(sep, sep_tgt, 0.1)[0].sum()
+        loss_packed = losses.cross_entropy(packed, packed_tgt, 0.1)[0].sum()
+        assert float(loss_packed) == pytest.approx(float(loss_sep), rel=1e-5)
+
+
+def test_packed_examples_never_see_each_other():
+    """Changing the second packed example (source and target) leaves the first unchanged."""
+    packing = {
+        "inputs_segments": jnp.array([[1, 1, 1, 2, 2, 2]]),
+        "inputs_positions": jnp.array([[0, 1, 2, 0, 1, 2]]),
+        "targets_segments": jnp.array([[1, 1, 2, 2, 2]]),
+        "targets_positions": jnp.array([[0, 1, 0, 1, 2]]),
+    }
+    params = _init(TINY)
+    model = Transformer(TINY)
+    src = jnp.array([[5, 6, 3, 9, 10, 3]])
+    dec = jnp.array([[2, 11, 2, 13, 14]])
+    a = model.apply({"params": params}, src, dec, packing=packing)
+    b = model.apply(
+        {"params": params}, src.at[0, 3:5].set(17), dec.at[0, 3:].set(19), packing=packing
+    )
+    np.testing.assert_array_equal(a[0, :2], b[0, :2])
+    assert not np.allclose(a[0, 3:], b[0, 3:])
