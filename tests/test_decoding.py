@@ -196,6 +196,24 @@ def test_length_penalty_changes_the_winner():
     assert float(scores[0, 0]) == pytest.approx(math.log(0.45) / lp, abs=1e-5)
 
 
+def test_beam_search_skips_steps_once_every_beam_finished():
+    """The model is not called again once all examples are done (checked per chunk)."""
+    fn, cache = table_lm({(0, BOS): {A: 0.5, B_: 0.5}}, 32)  # then EOS: done after 2 steps
+    calls = []
+
+    def recording(ids, cache):
+        jax.debug.callback(lambda: calls.append(1))
+        return fn(ids, cache)
+
+    seqs, scores = decoding.beam_search(
+        recording, cache, batch_size=2, beam_size=2, max_len=32, bos_id=BOS, eos_id=EOS, alpha=0.0
+    )
+    jax.effects_barrier()
+    assert len(calls) == decoding.SKIP_CHUNK  # the first chunk only, not all 32 steps
+    assert seqs[0, 0, :2].tolist() in ([A, EOS], [B_, EOS])
+    np.testing.assert_allclose(scores, math.log(0.5), atol=1e-6)
+
+
 def test_min_len_forbids_early_eos():
     fn, cache = table_lm({(0, BOS): {EOS: 0.9, A: 0.1}, (1, A): {EOS: 1.0}}, 3)
     out = decoding.greedy_search(
