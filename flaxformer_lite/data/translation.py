@@ -1,0 +1,567 @@
+"""Real translation corpora as splits for :mod:`flaxformer_lite.data.pipeline`.
+
+Every loader returns ``{split: source}``, each source a random-access sequence of
+``{"source": bytes, "target": bytes}`` (UTF-8) read from ``array_record`` files:
+
+* :func:`load_parallel_text`: line-aligned ``{split}.{lang}[.gz]`` files (e.g. Multi30k);
+* :func:`load_tsv_pairs`: a tab-separated file of pairs (e.g. Anki's ``fra.txt``), seeded split;
+* :func:`load_catalog`: a TFDS catalog dataset such as ``wmt14_translate/de-en`` (preparing it
+  needs network access and TensorFlow; reading prepared ``array_record`` data does not).
+
+The local builders need no TensorFlow. They check the whole corpus before writing anything, and
+their config name holds a fingerprint (path, size, mtime) of the input files, so an edited
+corpus is prepared again instead of stale data being reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import importlib
+import itertools
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from flaxformer_lite.data.numbers import _check_fractions
+
+TSV_SPLITS: tuple[str, ...] = ("train", "validation", "test")
+# TFDS names its files "{dataset}-{split}.array_record-...", so a split must be a single word.
+_WORD = re.compile(r"\w+", re.ASCII)
+_SKIPPED_KEY = "skipped_empty_pairs"
+
+Log = Callable[[str], Any]
+
+
+class CorpusError(ValueError):
+    """A local corpus is missing, empty, misaligned, malformed or not valid UTF-8."""
+
+
+class CatalogError(ValueError):
+    """A TFDS catalog dataset cannot be found, downloaded, prepared or read as pairs."""
+
+
+def _read_lines(path: str) -> Iterator[str]:
+    """Yields the lines of a plain or gzipped (``.gz``) UTF-8 file.
+
+    Only the line ending (``\\n`` or ``\\r\\n``) and a UTF-8 byte-order mark at the start of the
+    file are removed; other whitespace is part of the text.
+    """
+    name = os.path.basename(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise CorpusError(
+                        f"{name} line {number} is not valid UTF-8 ({e.reason} at byte {e.start} "
+                        f"of the line) in {path}; re-encode the file as UTF-8, e.g. "
+                        f"`iconv -f LATIN1 -t UTF-8 {name} > {name}.utf8`"
+                    ) from None
+                if number == 1:
+                    # Editors on Windows often write a BOM; it is no part of the first sentence.
+                    line = line.removeprefix("\ufeff")
+                yield line.removesuffix("\n").removesuffix("\r")
+    except (OSError, EOFError) as e:  # gzip raises EOFError for a truncated archive.
+        raise CorpusError(
+            f"Could not read {path}: {e}; check that the file is readable and, for .gz, a "
+            "complete gzip archive"
+        ) from e
+
+
+def _fingerprint(paths: Sequence[str]) -> str:
+    """Returns 10 hex digits that change when any of ``paths`` is moved, resized or touched."""
+    digest = hashlib.sha256()
+    for path in paths:
+        stat = os.stat(path)
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return digest.hexdigest()[:10]
+
+
+def _safe_name(text: str) -> str:
+    """Returns ``text`` reduced to ``[A-Za-z0-9_]`` for use in a config (directory) name."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_") or "corpus"
+
+
+class ParallelTextConfig(tfds.core.BuilderConfig):
+    """Config of :class:`ParallelText`: the corpus directory, languages and splits.
+
+    ``splits`` defaults to every split ``s`` with both ``s.{source_lang}`` and
+    ``s.{target_lang}`` present, plain or ``.gz`` (the plain file wins when both exist). The
+    ``name`` holds the directory name, the language pair and a fingerprint of the chosen files.
+    """
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | os.PathLike,
+        source_lang: str,
+        target_lang: str,
+        splits: Sequence[str] | None = None,
+    ) -> None:
+        data_dir = os.path.abspath(os.fspath(data_dir))
+        if not os.path.isdir(data_dir):
+            raise CorpusError(
+                f"Corpus directory {data_dir} does not exist; pass the directory that holds the "
+                "{split}.{lang} files"
+            )
+        if not (_WORD.fullmatch(source_lang) and _WORD.fullmatch(target_lang)) or (
+            source_lang == target_lang
+        ):
+            raise ValueError(
+                f"Need two different language codes, got {source_lang!r}, {target_lang!r}"
+            )
+        names = sorted(os.listdir(data_dir))
+        # Errors list what is there, as that usually shows the mistake (a typo, a .txt suffix).
+        found = ", ".join(names[:30]) + (f", ... ({len(names)} files)" if len(names) > 30 else "")
+        if splits is None:
+            found_splits = []
+            for lang in (source_lang, target_lang):
+                pattern = re.compile(rf"(.+)\.{re.escape(lang)}(\.gz)?")
+                found_splits.append({m.group(1) for m in map(pattern.fullmatch, names) if m})
+            splits = sorted(found_splits[0] & found_splits[1])
+            if not splits:
+                raise CorpusError(
+                    f"No split of {data_dir} has both a .{source_lang} and a .{target_lang} file "
+                    f"(e.g. train.{source_lang} and train.{target_lang}); found: {found or '-'}"
+                )
+        if isinstance(splits, str):
+            raise TypeError(f"splits must be a sequence of names, not the string {splits!r}")
+        splits = tuple(splits)
+        if not splits or len(set(splits)) != len(splits):
+            raise ValueError(f"splits must be non-empty and without duplicates, got {splits}")
+        self.files: dict[str, tuple[str, str]] = {}
+        for split in splits:
+            if not _WORD.fullmatch(split):
+                raise CorpusError(
+                    f"Split name {split!r} must contain only letters, digits and '_' (TFDS puts "
+                    "it in file names); rename its files or pass other splits="
+                )
+            paths = []
+            for lang in (source_lang, target_lang):
+                candidates = [os.path.join(data_dir, f"{split}.{lang}{gz}") for gz in ("", ".gz")]
+                existing = [path for path in candidates if os.path.isfile(path)]
+                if not existing:
+                    raise CorpusError(
+                        f"Split {split!r} has no {lang} file: neither {split}.{lang} nor "
+                        f"{split}.{lang}.gz is in {data_dir}; found: {found or '-'}. Add the "
+                        "file or pass other splits="
+                    )
+                paths.append(existing[0])
+            self.files[split] = (paths[0], paths[1])
+        fingerprint = _fingerprint([path for pair in self.files.values() for path in pair])
+        super().__init__(
+            name=f"{_safe_name(os.path.basename(data_dir))}_{source_lang}-{target_lang}_"
+            f"{fingerprint}",
+            version=tfds.core.Version("1.0.0"),
+            description=f"{source_lang}->{target_lang} pairs of splits {splits} of {data_dir}.",
+        )
+        self.source_lang = source_lang
+        self.target_lang = target_lang
+        self.splits = splits
+
+
+def _check_aligned(source_path: str, target_path: str) -> int:
+    """Reads both files of a split once, checking they are non-empty, UTF-8 and line-aligned.
+
+    Returns:
+        The number of line pairs with at least one empty side (to be skipped).
+    """
+    counts = [0, 0]
+    kept = skipped = 0
+    for source, target in itertools.zip_longest(_read_lines(source_path), _read_lines(target_path)):
+        counts[0] += source is not None
+        counts[1] += target is not None
+        if source is not None and target is not None:
+            kept += bool(source and target)
+            skipped += not (source and target)
+    names = [os.path.basename(source_path), os.path.basename(target_path)]
+    for path, count in zip((source_path, target_path), counts):
+        if count == 0:
+            raise CorpusError(f"{path} is empty; fill it or leave its split out of splits=")
+    if counts[0] != counts[1]:
+        raise CorpusError(
+            f"{names[0]} has {counts[0]} lines but {names[1]} has {counts[1]}; the files of a "
+            "split must be line-aligned (line i of one translates line i of the other). Fix the "
+            f"files in {os.path.dirname(source_path)}"
+        )
+    if kept == 0:
+        raise CorpusError(
+            f"Every line pair of {names[0]} / {names[1]} has an empty side; fill the files or "
+            "leave their split out of splits="
+        )
+    return skipped
+
+
+# `skip_registration` keeps the builders out of TFDS's global name registry: they are only
+# constructed directly, and re-importing this module must not raise a name collision.
+class _PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Shared TFDS setup of the local builders: text pairs, stored in generation order."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Initial release."}
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        # `dataset_info_from_configs` reads metadata files next to the builder module, which
+        # only exist for packaged datasets, so the DatasetInfo is built directly.
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=f"Sentence pairs from local files ({self.__class__.__name__}).",
+            features=tfds.features.FeaturesDict(
+                {"source": tfds.features.Text(), "target": tfds.features.Text()}
+            ),
+            supervised_keys=("source", "target"),
+            disable_shuffling=True,  # Keep file order instead of TFDS key hashing.
+            metadata=tfds.core.MetadataDict(),  # Saved with the data: the skipped-pair counts.
+        )
+
+
+class ParallelText(_PairsBuilder, skip_registration=True):
+    """TFDS builder of a line-aligned corpus; construct it with a :class:`ParallelTextConfig`.
+
+    Features ``{"source": Text, "target": Text}`` in file order, keyed by 1-based line number.
+    Line pairs with an empty side are skipped; ``info.metadata["skipped_empty_pairs"]`` maps
+    each split to how many.
+    """
+
+    def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[int, dict]]]:
+        del dl_manager  # Everything is local.
+        # Check every split first: TFDS writes as it consumes the generators, and a corpus error
+        # found half-way would waste the work done until then.
+        files = self.builder_config.files
+        self.info.metadata[_SKIPPED_KEY] = {s: _check_aligned(*p) for s, p in files.items()}
+        return {split: self._generate_examples(*paths) for split, paths in files.items()}
+
+    def _generate_examples(self, source_path: str, target_path: str) -> Iterator[tuple[int, dict]]:
+        pairs = zip(_read_lines(source_path), _read_lines(target_path))
+        for number, (source, target) in enumerate(pairs, start=1):
+            if source and target:
+                yield number, {"source": source, "target": target}
+
+
+def split_line_indices(
+    num_lines: int, *, seed: int, valid_fraction: float, test_fraction: float
+) -> dict[str, np.ndarray]:
+    """Assigns the lines ``0 .. num_lines - 1`` of a pairs file to splits, reproducibly.
+
+    The indices are permuted with ``np.random.default_rng(seed).permutation(num_lines)``; the
+    first ``round(valid_fraction * num_lines)`` permuted indices go to "validation", the next
+    ``round(test_fraction * num_lines)`` to "test" and the rest to "train". The split is by
+    line, not by content: a pair repeated on several lines may land in several splits.
+
+    Returns:
+        ``{"train": ..., "validation": ..., "test": ...}`` of sorted ``int64[n_split]`` arrays of
+        0-based line indices; they are disjoint and together hold every index once.
+    """
+    _check_fractions(valid_fraction, test_fraction)
+    order = np.random.default_rng(seed).permutation(num_lines)
+    num_valid = round(valid_fraction * num_lines)
+    num_test = round(test_fraction * num_lines)
+    return {
+        "train": np.sort(order[num_valid + num_test :]),
+        "validation": np.sort(order[:num_valid]),
+        "test": np.sort(order[num_valid : num_valid + num_test]),
+    }
+
+
+class PairsTSVConfig(tfds.core.BuilderConfig):
+    """Config of :class:`PairsTSV`: the file, which fields are source and target, and the split
+    (:func:`split_line_indices` over all lines). The ``name`` encodes every argument and a
+    fingerprint of the file."""
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike,
+        source_column: int = 0,
+        target_column: int = 1,
+        seed: int = 0,
+        valid_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+    ) -> None:
+        path = os.path.abspath(os.fspath(path))
+        if not os.path.isfile(path):
+            raise CorpusError(f"Pairs file {path} does not exist; pass the path of a .tsv file")
+        if min(source_column, target_column) < 0:
+            raise ValueError(f"Columns must be >= 0, got {source_column} and {target_column}")
+        _check_fractions(valid_fraction, test_fraction)
+        super().__init__(
+            name=f"{_safe_name(os.path.basename(path))}_c{source_column}-{target_column}_s{seed}"
+            f"_v{valid_fraction:g}_t{test_fraction:g}_{_fingerprint([path])}",
+            version=tfds.core.Version("1.0.0"),
+            description=f"Fields {source_column} -> {target_column} of {path}, split with seed "
+            f"{seed}, validation fraction {valid_fraction}, test fraction {test_fraction}.",
+        )
+        self.path = path
+        self.columns = (source_column, target_column)
+        self.seed = seed
+        self.valid_fraction = valid_fraction
+        self.test_fraction = test_fraction
+
+    def pair(self, line: str, number: int) -> tuple[str, str]:
+        """Returns the ``(source, target)`` fields of line ``number`` (1-based); ``("", "")``
+        for a blank line."""
+        if not line:
+            return "", ""
+        fields = line.split("\t")
+        if len(fields) <= max(self.columns):
+            raise CorpusError(
+                f"{os.path.basename(self.path)} line {number} has {len(fields)} tab-separated "
+                f"field(s) but {max(self.columns) + 1} are needed for source_column, "
+                f"target_column = {self.columns}; fix the line or the columns "
+                f"(line: {line[:80]!r})"
+            )
+        return fields[self.columns[0]], fields[self.columns[1]]
+
+
+class PairsTSV(_PairsBuilder, skip_registration=True):
+    """TFDS builder of a tab-separated pairs file; construct it with a :class:`PairsTSVConfig`.
+
+    Features ``{"source": Text, "target": Text}``; splits "train", "validation", "test", each
+    in file order and keyed by 1-based line number. Extra fields (e.g. an attribution column)
+    are ignored; blank lines and pairs with an empty side are skipped and counted in
+    ``info.metadata["skipped_empty_pairs"]``.
+    """
+
+    def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[int, dict]]]:
+        del dl_manager
+        config = self.builder_config
+        # One checking pass before anything is written, as in `ParallelText`.
+        empty = []
+        num_lines = 0
+        for num_lines, line in enumerate(_read_lines(config.path), start=1):
+            if not all(config.pair(line, num_lines)):
+                empty.append(num_lines - 1)
+        if num_lines == 0:
+            raise CorpusError(f"{config.path} is empty; pass a file with one pair per line")
+        indices = split_line_indices(
+            num_lines,
+            seed=config.seed,
+            valid_fraction=config.valid_fraction,
+            test_fraction=config.test_fraction,
+        )
+        skipped = {split: int(np.isin(empty, ids).sum()) for split, ids in indices.items()}
+        self.info.metadata[_SKIPPED_KEY] = skipped
+        # TFDS cannot write a split without examples, so those are filled in by the loader.
+        return {
+            split: self._generate_examples(ids)
+            for split, ids in indices.items()
+            if len(ids) > skipped[split]
+        }
+
+    def _generate_examples(self, indices: np.ndarray) -> Iterator[tuple[int, dict]]:
+        wanted = set(indices.tolist())
+        for index, line in enumerate(_read_lines(self.builder_config.path)):
+            if index in wanted:
+                source, target = self.builder_config.pair(line, index + 1)
+                if source and target:
+                    yield index + 1, {"source": source, "target": target}
+
+
+def _prepare(builder: _PairsBuilder, log: Log) -> dict[str, Sequence[dict[str, bytes]]]:
+    """Prepares ``builder`` unless already prepared and logs its split sizes.
+
+    Returns:
+        ``{split: source}`` for the splits written.
+    """
+    tfds.disable_progress_bar()
+    name = builder.builder_config.name
+    if builder.is_prepared():
+        log(f"Reusing prepared {name} in {builder.data_dir}")
+    else:
+        log(f"Preparing {name} in {builder.data_dir}")
+        builder.download_and_prepare()
+    skipped = dict(builder.info.metadata.items()).get(_SKIPPED_KEY, {})
+    for split, split_info in builder.info.splits.items():
+        log(f"  {split}: {split_info.num_examples} pairs, {skipped.get(split, 0)} skipped (empty)")
+    return builder.as_data_source()
+
+
+def load_parallel_text(
+    corpus_dir: str | os.PathLike,
+    source_lang: str,
+    target_lang: str,
+    *,
+    tfds_dir: str | os.PathLike,
+    splits: Sequence[str] | None = None,
+    log: Log = print,
+) -> dict[str, Sequence[dict[str, bytes]]]:
+    """Prepares (once per corpus state) and opens a line-aligned corpus stored under ``tfds_dir``.
+
+    Args:
+        corpus_dir: directory of ``{split}.{lang}`` / ``{split}.{lang}.gz`` UTF-8 files.
+        source_lang: extension of the source files, e.g. ``"en"``.
+        target_lang: extension of the target files, e.g. ``"de"``.
+        tfds_dir: where the ``array_record`` files are written and looked up.
+        splits: splits to load; by default every split with files in both languages.
+        log: called with progress lines, including how many pairs were skipped per split.
+
+    Returns:
+        ``{split: source}``; each source is a random-access sequence of
+        ``{"source": bytes, "target": bytes}`` in file order.
+    """
+    config = ParallelTextConfig(
+        data_dir=corpus_dir, source_lang=source_lang, target_lang=target_lang, splits=splits
+    )
+    builder = ParallelText(data_dir=os.fspath(tfds_dir), config=config, file_format="array_record")
+    sources = _prepare(builder, log)
+    return {split: sources[split] for split in config.splits}
+
+
+def load_tsv_pairs(
+    path: str | os.PathLike,
+    *,
+    tfds_dir: str | os.PathLike,
+    source_column: int = 0,
+    target_column: int = 1,
+    seed: int = 0,
+    valid_fraction: float = 0.05,
+    test_fraction: float = 0.05,
+    log: Log = print,
+) -> dict[str, Sequence[dict[str, bytes]]]:
+    """Prepares (once per file state and arguments) and opens a tab-separated pairs file.
+
+    Splits are made by :func:`split_line_indices`; :class:`PairsTSV` says what is skipped. For
+    ``fra.txt`` (``English<TAB>French``) the default columns give en->fr, and
+    ``source_column=1, target_column=0`` gives fr->en.
+
+    Returns:
+        ``{split: source}`` for "train", "validation" and "test"; each source is a random-access
+        sequence of ``{"source": bytes, "target": bytes}`` in file order. A split without
+        examples (e.g. fraction 0) is an empty tuple.
+    """
+    config = PairsTSVConfig(
+        path=path,
+        source_column=source_column,
+        target_column=target_column,
+        seed=seed,
+        valid_fraction=valid_fraction,
+        test_fraction=test_fraction,
+    )
+    builder = PairsTSV(data_dir=os.fspath(tfds_dir), config=config, file_format="array_record")
+    sources = _prepare(builder, log)
+    return {split: sources.get(split, ()) for split in TSV_SPLITS}
+
+
+class CatalogPairs:
+    """Random-access view of a catalog translation split as ``{"source", "target"}`` records.
+
+    Catalog datasets key their text by language code (``{"de": ..., "en": ...}``); this renames
+    ``source_lang`` to "source" and ``target_lang`` to "target" and drops other fields.
+    """
+
+    def __init__(self, records: Sequence[Mapping[str, Any]], source_lang: str, target_lang: str):
+        self._records = records
+        self._langs = (source_lang, target_lang)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def _rename(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        return {"source": record[self._langs[0]], "target": record[self._langs[1]]}
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Returns record ``index`` as ``{"source": bytes, "target": bytes}``."""
+        return self._rename(self._records[index])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Returns the records at ``indices``, read in one batch when the source supports it."""
+        read_batch = getattr(self._records, "__getitems__", None)
+        records = read_batch(indices) if read_batch else [self._records[i] for i in indices]
+        return [self._rename(record) for record in records]
+
+
+def _require_tensorflow(name: str) -> None:
+    """Raises CatalogError unless TensorFlow, which catalog builders prepare with, imports."""
+    try:
+        importlib.import_module("tensorflow")
+    except ImportError as e:
+        raise CatalogError(
+            f"Preparing the TFDS catalog dataset {name!r} needs TensorFlow (TFDS extracts and "
+            "serializes catalog data with it), which is not installed. Install it with "
+            '`pip install -e ".[tf]"`, or use load_parallel_text / load_tsv_pairs for local files'
+        ) from e
+
+
+def load_catalog(
+    name: str,
+    *,
+    source_lang: str,
+    target_lang: str,
+    tfds_dir: str | os.PathLike,
+    splits: Sequence[str] | None = None,
+    download: bool = True,
+) -> dict[str, CatalogPairs]:
+    """Opens a TFDS catalog translation dataset, downloading and preparing it if needed.
+
+    Args:
+        name: catalog name and config, e.g. ``"wmt14_translate/de-en"``.
+        source_lang: feature (language code) used as "source", e.g. ``"de"``.
+        target_lang: feature used as "target", e.g. ``"en"``.
+        tfds_dir: TFDS data directory to look up and prepare the dataset in.
+        splits: splits to open (TFDS slices such as ``"train[:1%]"`` work); default: all.
+        download: download and prepare (as ``array_record``) when not prepared yet.
+
+    Returns:
+        ``{split: CatalogPairs}``: random-access sequences of ``{"source": bytes,
+        "target": bytes}``.
+    """
+    tfds.disable_progress_bar()
+    # TFDS imports its legacy builder packages in one loop that stops at the first ImportError
+    # (e.g. h5py missing), so the translation builders may never be registered; importing
+    # their package registers them. If that fails too, `tfds.builder` reports "not found".
+    with contextlib.suppress(ImportError):
+        importlib.import_module("tensorflow_datasets.translate")
+    try:
+        builder = tfds.builder(name, data_dir=os.fspath(tfds_dir))
+    except ValueError as e:  # Includes DatasetNotFoundError and unknown configs.
+        raise CatalogError(
+            f"No TFDS catalog dataset {name!r} ({str(e).splitlines()[0]}). Pass a name such as "
+            "'wmt14_translate/de-en' (see https://www.tensorflow.org/datasets/catalog)"
+        ) from e
+    features = builder.info.features
+    available = sorted(features.keys()) if hasattr(features, "keys") else []
+    for lang in (source_lang, target_lang):
+        if lang not in available:
+            raise CatalogError(
+                f"{name} has no feature {lang!r}; its features are {available}. Pass "
+                "source_lang and target_lang from these"
+            )
+    if not builder.is_prepared():
+        if not download:
+            raise CatalogError(
+                f"{name} is not prepared in {tfds_dir}; pass download=True (needs network access "
+                "and TensorFlow) or a tfds_dir where it is prepared"
+            )
+        _require_tensorflow(name)
+        try:
+            builder.download_and_prepare(file_format="array_record")
+        except (tfds.download.DownloadError, OSError) as e:  # requests errors are OSErrors.
+            raise CatalogError(
+                f"{name} could not be downloaded and prepared ({type(e).__name__}: {e}). "
+                "Without network access, use load_parallel_text for line-aligned "
+                "{split}.{lang} files or load_tsv_pairs for a tab-separated file of pairs"
+            ) from e
+    if isinstance(splits, str):
+        raise TypeError(f"splits must be a sequence of names, not the string {splits!r}")
+    splits = tuple(builder.info.splits if splits is None else splits)
+    if not splits:
+        raise CatalogError(f"{name} lists no splits in {builder.data_dir}; pass splits=")
+    try:
+        records = {split: builder.as_data_source(split=split) for split in splits}
+    except NotImplementedError as e:  # What TFDS raises for files without random access.
+        fmt = builder.info.file_format
+        raise CatalogError(
+            f"{name} is prepared in {builder.data_dir} as {getattr(fmt, 'value', fmt)} files, "
+            "which cannot be read by random access. Prepare it again with "
+            "download_and_prepare(file_format='array_record') in another tfds_dir (or delete "
+            "that directory and call load_catalog again)"
+        ) from e
+    return {split: CatalogPairs(records[split], source_lang, target_lang) for split in splits}
