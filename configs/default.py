@@ -44,6 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
     d.vocab_model_type = "unigram"  # unigram | bpe
     d.max_source_len = 10  # source tokens incl. EOS (longer are truncated)
     d.max_target_len = 16  # target tokens incl. EOS
+    d.batching = "fixed"  # fixed (max shapes) | bucket (length buckets) | pack (packed rows)
+    d.max_tokens = 0  # bucket: tokens per batch instead of train.batch_size rows (0: rows)
 
     config.optim = o = ml_collections.ConfigDict()
     o.schedule = "rsqrt"  # rsqrt (paper §5.3) | constant | cosine
@@ -64,6 +66,10 @@ def get_config() -> ml_collections.ConfigDict:
     t.eval_every = 500  # steps between validation evaluations (0: only at the end)
     t.eval_max_batches = 0  # batches per intermediate evaluation (0: the whole split)
     t.eval_batch_size = 256  # examples per eval batch
+    t.eval_search = "greedy"  # decoding for evaluation: greedy | beam
+    t.eval_beam_size = 4  # beams when eval_search is beam
+    t.eval_alpha = 0.6  # GNMT length penalty for beam search
+    t.eval_bleu = False  # also report sacreBLEU and chrF
     t.checkpoint_every = 500  # steps between checkpoints
     t.keep_checkpoints = 3  # most recent checkpoints kept
     t.num_examples_to_print = 8  # test examples printed at the end

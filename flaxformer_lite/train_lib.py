@@ -29,7 +29,7 @@ from tqdm import tqdm
 from flaxformer_lite import checkpoints, inference, losses, optim, partitioning
 from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.pipeline import make_dataset
+from flaxformer_lite.data.pipeline import make_dataset, texts
 from flaxformer_lite.metric_writer import MetricWriter
 from flaxformer_lite.model import Transformer, shift_right
 
@@ -98,12 +98,15 @@ def train_step(
     """One teacher-forced update.
 
     Args:
-      batch: "inputs" int32[B, S]; "targets" int32[B, T] (ids + EOS, PAD after).
+      batch: "inputs" int32[B, S]; "targets" int32[B, T] (ids + EOS, PAD after);
+        for packed rows also the segment and position fields of `PACKING_KEYS`.
     Returns:
       (new state, metric sums as float32 scalars; see `losses.metrics_sums`).
     """
     dropout_rng = jax.random.fold_in(state.rng, state.step)
-    decoder_inputs = shift_right(batch["targets"], bos_id)  # BOS + targets[:-1]
+    packing = {k: batch[k] for k in PACKING_KEYS} if PACKING_KEYS[0] in batch else None
+    segments = None if packing is None else packing["targets_segments"]
+    decoder_inputs = shift_right(batch["targets"], bos_id, segments)  # BOS + targets[:-1]
 
     def loss_fn(params):
         logits = model.apply(
@@ -112,6 +115,7 @@ def train_step(
             decoder_inputs,
             deterministic=False,
             rngs={"dropout": dropout_rng},
+            packing=packing,
         )  # [B, T, V]
         sums = losses.metrics_sums(logits, batch["targets"], label_smoothing)
         return sums["loss"] / jnp.maximum(sums["tokens"], 1.0), sums
@@ -155,36 +159,65 @@ def _prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2)
         yield item
 
 
+PACKING_KEYS = ("inputs_segments", "inputs_positions", "targets_segments", "targets_positions")
+
+
 def _device_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-    return partitioning.put_batch({k: batch[k] for k in ("inputs", "targets")}, mesh)
+    """The model's inputs of a host batch, on the mesh (packing fields when present)."""
+    keys = ("inputs", "targets") + tuple(k for k in PACKING_KEYS if k in batch)
+    return partitioning.put_batch({k: batch[k] for k in keys}, mesh)
 
 
 def evaluate(
-    model, params, dataset, tokenizer, mesh, *, eval_fn, decode_fn, max_batches: int | None = None
+    params,
+    dataset,
+    references: list[str],
+    tokenizer,
+    mesh,
+    *,
+    eval_fn,
+    decode_fn,
+    max_batches: int | None = None,
+    bleu: bool = False,
 ) -> tuple[dict[str, float], list[tuple[str, str]]]:
-    """Teacher-forced metrics and free-running greedy exact-sequence accuracy on a split.
+    """Teacher-forced metrics, and free-running decoding scored against the references.
 
+    Args:
+      dataset: fixed-shape batches of the split in order (not shuffled).
+      references: the split's raw target strings, in the same order.
+      decode_fn: (params, inputs int32[B, S]) -> int32[B, T] best hypotheses.
+      bleu: also compute sacreBLEU and chrF (corpus level).
     Returns:
       (metrics, [(prediction, reference)] for every evaluated example).
     """
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
     totals: dict[str, float] = {}
-    exact, count, pairs = 0, 0, []
+    hyps: list[str] = []
     for i in range(n):
         host = dataset[i]
         batch = _device_batch(host, mesh)
         for k, v in jax.device_get(eval_fn(params, batch)).items():
             totals[k] = totals.get(k, 0.0) + float(v)
         predicted = np.asarray(decode_fn(params, batch["inputs"]))  # [B, T]
-        valid = host["valid"]
-        refs = tokenizer.decode_batch(host["targets"][valid])
-        hyps = tokenizer.decode_batch(predicted[valid])
-        pairs.extend(zip(hyps, refs))
-        exact += sum(h == r for h, r in zip(hyps, refs))
-        count += len(refs)
+        hyps.extend(tokenizer.decode_batch(predicted[host["valid"]]))
+    refs = references[: len(hyps)]
     metrics = losses.summarize(totals)
-    metrics["exact_match"] = exact / max(count, 1)
-    return metrics, pairs
+    metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
+    if bleu:
+        import sacrebleu
+
+        metrics["bleu"] = sacrebleu.corpus_bleu(hyps, [refs]).score
+        metrics["chrf"] = sacrebleu.corpus_chrf(hyps, [refs]).score
+    return metrics, list(zip(hyps, refs))
+
+
+def bleu_signature(pairs: list[tuple[str, str]]) -> str:
+    """The sacreBLEU signature of the BLEU `evaluate` reports for these (hyp, ref) pairs."""
+    from sacrebleu.metrics import BLEU
+
+    metric = BLEU()
+    metric.corpus_score([h for h, _ in pairs], [[r for _, r in pairs]])
+    return str(metric.get_signature())
 
 
 def make_optimizer(config: ml_collections.ConfigDict, model_cfg):
@@ -241,13 +274,73 @@ def restore_trained(workdir: str, step: int | None = None):
     return model, state, tokenizer, saved
 
 
+def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer, log):
+    """Random-access training batches: `batches[step]` is the batch of that step.
+
+    data.batching: "fixed" (every batch at the maximum lengths), "bucket" (a few
+    length buckets; data.max_tokens > 0 sizes each bucket's rows by a token
+    budget) or "pack" (several examples per row, with segment ids). Each
+    process reads only its own rows.
+    """
+    t, d = config.train, config.data
+    mode = d.get("batching", "fixed")
+    if mode == "fixed":
+        return make_dataset(
+            train_split,
+            tokenizer,
+            batch_size=t.batch_size,
+            max_source_len=d.max_source_len,
+            max_target_len=d.max_target_len,
+            seed=t.seed,
+            shuffle=True,
+            repeat=True,
+            drop_remainder=True,
+        )
+    from flaxformer_lite.data import batching
+
+    tokenized = batching.tokenize_split(
+        train_split, tokenizer, max_source_len=d.max_source_len, max_target_len=d.max_target_len
+    )
+    log(
+        f"train: {len(tokenized.sources)} examples, {tokenized.num_sources_truncated} sources "
+        f"and {tokenized.num_targets_truncated} targets truncated to "
+        f"{d.max_source_len}/{d.max_target_len} tokens"
+    )
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    if mode == "bucket":
+        max_tokens = d.get("max_tokens", 0) or None
+        plan = batching.BucketedBatches(
+            tokenized,
+            batch_size=None if max_tokens else t.batch_size,
+            max_tokens=max_tokens,
+            seed=t.seed,
+            **shard,
+        )
+    elif mode == "pack":
+        plan = batching.PackedBatches(
+            tokenized,
+            rows=t.batch_size,
+            source_len=d.max_source_len,
+            target_len=d.max_target_len,
+            seed=t.seed,
+            **shard,
+        )
+    else:
+        raise run_config_lib.ConfigError(
+            f"data.batching={mode!r} is not one of fixed, bucket, pack"
+        )
+    log(
+        f"train batches: {mode}, shapes {sorted(plan.shapes())}, "
+        f"padding {plan.padding_fraction(min(len(plan), 200)):.1%}"
+    )
+    return plan
+
+
 def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, train_split):
     """The workdir's tokenizer if it has one, else one trained on the training split."""
     path = os.path.join(workdir, VOCAB_FILE)
     if os.path.exists(path):
         return tokenizer_lib.Tokenizer.load(path), False
-    from flaxformer_lite.data.pipeline import texts
-
     corpus = texts(train_split, "source") + texts(train_split, "target")
     tok = tokenizer_lib.Tokenizer.train(
         corpus, config.data.vocab_size, model_type=config.data.vocab_model_type
@@ -318,26 +411,25 @@ def train_and_evaluate(
             eval_step, model=model, label_smoothing=t.label_smoothing, bos_id=tokenizer_lib.BOS_ID
         )
     )
-    p_decode = functools.partial(
-        inference.greedy_decode,
-        model,
-        max_len=d.max_target_len,
-        bos_id=tokenizer_lib.BOS_ID,
-        eos_id=tokenizer_lib.EOS_ID,
+    search = inference.SearchConfig(
+        t.eval_search, d.max_target_len, beam_size=t.eval_beam_size, alpha=t.eval_alpha
     )
+
+    def p_decode(params, inputs):
+        tokens, _ = inference.decode(
+            model,
+            params,
+            inputs,
+            search=search,
+            bos_id=tokenizer_lib.BOS_ID,
+            eos_id=tokenizer_lib.EOS_ID,
+        )
+        return tokens[:, 0]  # the best hypothesis
 
     common = dict(
         tokenizer=tokenizer, max_source_len=d.max_source_len, max_target_len=d.max_target_len
     )
-    train_ds = make_dataset(
-        splits["train"],
-        batch_size=t.batch_size,
-        seed=t.seed,
-        shuffle=True,
-        repeat=True,
-        drop_remainder=True,
-        **common,
-    )
+    train_ds = make_train_batches(config, splits["train"], tokenizer, log)
     eval_sets = {
         name: make_dataset(
             splits[name],
@@ -351,20 +443,22 @@ def train_and_evaluate(
         for name in ("validation", "test")
         if name in splits
     }
+    references = {name: texts(splits[name], "target") for name in eval_sets}
     writer = MetricWriter(workdir, tensorboard=t.tensorboard)
     start = int(state.step)
     meta = {"run_config": saved}
 
     def run_eval(split: str, step: int, max_batches=None):
         metrics, pairs = evaluate(
-            model,
             state.params,
             eval_sets[split],
+            references[split],
             tokenizer,
             mesh,
             eval_fn=p_eval,
             decode_fn=p_decode,
             max_batches=max_batches,
+            bleu=t.eval_bleu,
         )
         writer.write(step, split, metrics)
         log(f"step {step} {split}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
@@ -416,6 +510,8 @@ def train_and_evaluate(
         results.update({f"{split}_{k}": v for k, v in metrics.items()})
         if split == "test" and t.num_examples_to_print:
             _print_examples(eval_sets[split], tokenizer, pairs, t.num_examples_to_print, log)
+    if t.eval_bleu:
+        log(f"BLEU by sacreBLEU, signature {bleu_signature(pairs)}; search: {search}")
     writer.close()
     ckpt.close()
     return results
