@@ -102,3 +102,34 @@ def test_corrupted_checkpoint_is_detected(tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="corrupted"):
         ckpt.restore(state, 2)
     ckpt.close()
+
+
+@pytest.mark.parametrize("batching", ["bucket", "pack"])
+def test_local_corpus_with_bucketed_or_packed_batches(tfds_dir, tmp_path, batching):
+    """A user's {split}.{lang} files train end to end and are scored with BLEU."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = ["red", "blue", "green", "cat", "dog", "big", "small", "runs", "sleeps", "the"]
+    german = ["rot", "blau", "grün", "Katze", "Hund", "groß", "klein", "läuft", "schläft", "die"]
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 120), ("dev", 12)):
+        src, tgt = [], []
+        for _ in range(n):
+            idx = rng.integers(0, len(words), rng.integers(2, 7))
+            src.append(" ".join(words[i] for i in idx))
+            tgt.append(" ".join(german[i] for i in idx))
+        (corpus / f"{split}.en").write_text("\n".join(src) + "\n")
+        (corpus / f"{split}.de").write_text("\n".join(tgt) + "\n")
+    config = tiny_config(tfds_dir, num_steps=12, eval_bleu=True)
+    d = config.data
+    d.dataset, d.corpus_dir = "parallel_text", str(corpus)
+    d.source_lang, d.target_lang = "en", "de"
+    d.split_names = {"validation": "dev"}
+    d.batching, d.max_tokens = batching, 64
+    messages = []
+    results = train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=messages.append)
+    assert results["step"] == 12
+    assert "validation_bleu" in results and "validation_chrf" in results
+    assert "test_loss" not in results  # the corpus has no test split
+    assert any(f"train batches: {batching}" in m for m in messages)
+    assert any("signature nrefs:1" in m for m in messages)
