@@ -60,6 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.train = t = ml_collections.ConfigDict()
     t.seed = 0  # parameter init and dropout
     t.batch_size = 128  # examples per step
+    t.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
     t.num_steps = 1500  # total optimiser steps
     t.label_smoothing = 0.1  # eps_ls
     t.log_every = 50  # steps between train-metric records

@@ -45,6 +45,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         value = t[name]
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+    accum = t.get("grad_accum_steps", 1)
+    if not isinstance(accum, int) or accum < 1 or t.batch_size % accum:
+        raise ConfigError(
+            f"train.grad_accum_steps={accum!r} must be a positive integer dividing "
+            f"train.batch_size={t.batch_size}"
+        )
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing!r}")
     for name in ("max_source_len", "max_target_len", "vocab_size"):

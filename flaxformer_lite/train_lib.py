@@ -86,6 +86,23 @@ def create_state(model, tx, mesh, *, seed: int, source_len: int, target_len: int
 # ----------------------------------------------------------------------------
 
 
+def _loss_sums(params, batch, *, model, label_smoothing, bos_id, rng):
+    """Summed (not averaged) loss of one (micro-)batch and its metric sums."""
+    packing = {k: batch[k] for k in PACKING_KEYS} if PACKING_KEYS[0] in batch else None
+    segments = None if packing is None else packing["targets_segments"]
+    decoder_inputs = shift_right(batch["targets"], bos_id, segments)  # BOS + targets[:-1]
+    logits = model.apply(
+        {"params": params},
+        batch["inputs"],
+        decoder_inputs,
+        deterministic=False,
+        rngs={"dropout": rng},
+        packing=packing,
+    )  # [B, T, V]
+    sums = losses.metrics_sums(logits, batch["targets"], label_smoothing)
+    return sums["loss"], sums
+
+
 def train_step(
     state: TrainState,
     batch: dict[str, jax.Array],
@@ -94,33 +111,45 @@ def train_step(
     tx: optax.GradientTransformation,
     label_smoothing: float,
     bos_id: int,
+    grad_accum_steps: int = 1,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One teacher-forced update.
+
+    The gradient is that of the per-token mean loss over the whole batch. With
+    `grad_accum_steps` > 1 the batch is split into that many micro-batches run
+    one after another by `lax.scan` (activation memory of one micro-batch); the
+    summed gradients are divided by the batch's token count once, so the update
+    equals the one-batch update.
 
     Args:
       batch: "inputs" int32[B, S]; "targets" int32[B, T] (ids + EOS, PAD after);
         for packed rows also the segment and position fields of `PACKING_KEYS`.
+        B must be divisible by `grad_accum_steps`.
     Returns:
       (new state, metric sums as float32 scalars; see `losses.metrics_sums`).
     """
-    dropout_rng = jax.random.fold_in(state.rng, state.step)
-    packing = {k: batch[k] for k in PACKING_KEYS} if PACKING_KEYS[0] in batch else None
-    segments = None if packing is None else packing["targets_segments"]
-    decoder_inputs = shift_right(batch["targets"], bos_id, segments)  # BOS + targets[:-1]
+    rng = jax.random.fold_in(state.rng, state.step)
+    grad_fn = jax.grad(
+        functools.partial(_loss_sums, model=model, label_smoothing=label_smoothing, bos_id=bos_id),
+        has_aux=True,
+    )
+    if grad_accum_steps == 1:
+        grads, sums = grad_fn(state.params, batch, rng=rng)
+    else:
+        n = grad_accum_steps
+        micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
-    def loss_fn(params):
-        logits = model.apply(
-            {"params": params},
-            batch["inputs"],
-            decoder_inputs,
-            deterministic=False,
-            rngs={"dropout": dropout_rng},
-            packing=packing,
-        )  # [B, T, V]
-        sums = losses.metrics_sums(logits, batch["targets"], label_smoothing)
-        return sums["loss"] / jnp.maximum(sums["tokens"], 1.0), sums
+        def accumulate(carry, inputs):
+            i, mb = inputs
+            g, s = grad_fn(state.params, mb, rng=jax.random.fold_in(rng, i))
+            return jax.tree.map(jnp.add, carry, (g, s)), None
 
-    grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+        zeros = jax.eval_shape(
+            lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], micro), rng=rng)
+        )
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
+        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(n), micro))
+    grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     sums["grad_norm"] = optax.global_norm(grads)
@@ -401,6 +430,7 @@ def train_and_evaluate(
             tx=tx,
             label_smoothing=t.label_smoothing,
             bos_id=tokenizer_lib.BOS_ID,
+            grad_accum_steps=t.get("grad_accum_steps", 1),
         ),
         in_shardings=(state_shardings, data_sharding),
         out_shardings=(state_shardings, partitioning.replicated(mesh)),
