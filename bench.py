@@ -1,26 +1,104 @@
-"""Benchmarks of jit performance.
+"""Benchmarks of jit performance on whatever devices JAX sees.
 
-python bench.py                       # decoding, base config (vocab 8000), CPU-sized shapes
-python bench.py --batch 16 --new_tokens 64 --beam_size 4 --json bench.json
+python bench.py                          # training and decoding, base model, vocab 8000
+python bench.py --mode train --batch 16 --source_len 64 --target_len 64
+python bench.py --mode decode --json bench.json
+python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
 """
 
 import json
+import os
+import subprocess
 import sys
 
 from absl import app, flags
 
 from flaxformer_lite import cli
 
+flags.DEFINE_enum("mode", "all", ["all", "train", "decode", "sweep"], "What to measure.")
 flags.DEFINE_integer("batch", 16, "Sentences per batch.")
 flags.DEFINE_integer("source_len", 64, "Source tokens per sentence.")
-flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sentence.")
+flags.DEFINE_integer("target_len", 64, "Target tokens per sentence (training).")
+flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sentence (decoding).")
 flags.DEFINE_integer("beam_size", 4, "Beams for the beam-search run.")
-flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
-flags.DEFINE_integer("vocab_size", 8000, "Vocabulary of the base model.")
+flags.DEFINE_integer("repeats", 5, "Timed repetitions (median reported).")
+flags.DEFINE_integer("vocab_size", 8000, "Vocabulary of the model.")
+flags.DEFINE_integer("d_model", 512, "Model width.")
+flags.DEFINE_integer("d_ff", 2048, "Feed-forward size.")
+flags.DEFINE_integer("num_heads", 8, "Attention heads.")
+flags.DEFINE_integer("num_layers", 6, "Encoder and decoder layers each.")
 flags.DEFINE_bool("uncached", True, "Also time greedy search without the KV cache.")
-flags.DEFINE_string("dtype", "float32", "Compute dtype.")
+flags.DEFINE_string("dtype", "float32", "Compute dtype (parameters stay float32).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 FLAGS = flags.FLAGS
+
+
+def _config():
+    from flaxformer_lite.config import TransformerConfig
+
+    return TransformerConfig(
+        vocab_size=FLAGS.vocab_size,
+        d_model=FLAGS.d_model,
+        d_ff=FLAGS.d_ff,
+        num_heads=FLAGS.num_heads,
+        num_encoder_layers=FLAGS.num_layers,
+        num_decoder_layers=FLAGS.num_layers,
+        dropout_rate=0.1,
+        max_len=1024,
+        dtype=FLAGS.dtype,
+    )
+
+
+def _sweep(results):
+    from flaxformer_lite import benchmark
+
+    config, peak = _config(), benchmark.matmul_peak()
+    quiet = lambda s: None  # noqa: E731
+    print("step time vs batch (length 64/64):")
+    for b in (4, 8, 16, 32):
+        r = benchmark.train_benchmark(config, batch=b, steps=3, peak_flops=peak, log=quiet)
+        results[f"sweep_batch{b}"] = r
+        print(
+            f"  batch {b:>3}: {r['step_s']:.3f} s  {r['tokens_per_s']:.0f} tokens/s  "
+            f"MFU {r['mfu']:.1%}"
+        )
+    print("step time vs length (batch 16):")
+    for n in (32, 64, 128):
+        r = benchmark.train_benchmark(
+            config, batch=16, source_len=n, target_len=n, steps=3, peak_flops=peak, log=quiet
+        )
+        results[f"sweep_len{n}"] = r
+        print(
+            f"  length {n:>3}: {r['step_s']:.3f} s  {r['tokens_per_s']:.0f} tokens/s  "
+            f"MFU {r['mfu']:.1%}"
+        )
+    print("data parallel on simulated CPU devices (global batch 16, one process each):")
+    base = None
+    for devices in (1, 2, 4, 8):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--mode=train",
+                "--repeats=3",
+                "--json=/dev/stdout",
+                f"--batch={FLAGS.batch}",
+                f"--vocab_size={FLAGS.vocab_size}",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        r = json.loads(out[out.index("{") :])
+        base = base or r["train"]["step_s"]
+        results[f"dp{devices}"] = r["train"]
+        print(
+            f"  {devices} device(s): {r['train']['step_s']:.3f} s/step  "
+            f"speed-up {base / r['train']['step_s']:.2f}x  efficiency "
+            f"{base / r['train']['step_s'] / devices:.0%}"
+        )
 
 
 @cli.friendly_errors
@@ -30,25 +108,46 @@ def main(argv):
     import jax
 
     from flaxformer_lite import benchmark
-    from flaxformer_lite.config import TransformerConfig
 
-    config = TransformerConfig(
-        vocab_size=FLAGS.vocab_size, dropout_rate=0.0, max_len=1024, dtype=FLAGS.dtype
+    config = _config()
+    to_stdout = FLAGS.json == "/dev/stdout"
+    log = (lambda s: print(s, file=sys.stderr)) if to_stdout else print
+    log(
+        f"devices: {jax.devices()}; model {FLAGS.num_layers}+{FLAGS.num_layers} layers, "
+        f"d_model {FLAGS.d_model}, d_ff {FLAGS.d_ff}, {FLAGS.num_heads} heads, vocab "
+        f"{FLAGS.vocab_size}, {FLAGS.dtype}"
     )
-    print(
-        f"devices: {jax.devices()}  base model (6+6 layers, d_model 512, d_ff 2048, 8 heads, "
-        f"vocab {FLAGS.vocab_size}), batch {FLAGS.batch}, source {FLAGS.source_len}, "
-        f"{FLAGS.new_tokens} new tokens"
-    )
-    results = benchmark.decode_benchmark(
-        config,
-        batch=FLAGS.batch,
-        source_len=FLAGS.source_len,
-        new_tokens=FLAGS.new_tokens,
-        beam_size=FLAGS.beam_size,
-        repeats=FLAGS.repeats,
-        uncached=FLAGS.uncached,
-    )
+    results = {}
+    if FLAGS.mode in ("all", "train"):
+        log(
+            f"training: batch {FLAGS.batch} x {FLAGS.source_len} source x {FLAGS.target_len} "
+            "target tokens, Adam, library train step"
+        )
+        results["train"] = benchmark.train_benchmark(
+            config,
+            batch=FLAGS.batch,
+            source_len=FLAGS.source_len,
+            target_len=FLAGS.target_len,
+            steps=FLAGS.repeats,
+            log=log,
+        )
+    if FLAGS.mode in ("all", "decode"):
+        log(
+            f"decoding: batch {FLAGS.batch}, source {FLAGS.source_len}, {FLAGS.new_tokens} new "
+            "tokens"
+        )
+        results["decode"] = benchmark.decode_benchmark(
+            config.replace(dropout_rate=0.0),
+            batch=FLAGS.batch,
+            source_len=FLAGS.source_len,
+            new_tokens=FLAGS.new_tokens,
+            beam_size=FLAGS.beam_size,
+            repeats=FLAGS.repeats,
+            uncached=FLAGS.uncached,
+            log=log,
+        )
+    if FLAGS.mode == "sweep":
+        _sweep(results)
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump(results, f, indent=2)

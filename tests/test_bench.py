@@ -1,9 +1,13 @@
 """The decoding benchmark on a tiny model: it runs, and its byte count is the analytic one."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flaxformer_lite import benchmark
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.model import Transformer
 
 TINY = TransformerConfig(
     vocab_size=40,
@@ -49,3 +53,44 @@ def test_decode_benchmark_reports_every_figure():
     ffn = d * f + f + f * d + d
     layer = attn_self + attn_cross_step + ffn + 3 * 2 * d
     assert results["step_weight_bytes"] == 4 * (2 * layer + v * d)
+
+
+def _dot_flops(jaxpr) -> int:
+    """2 * output size * contracted size, summed over every dot_general (sub-jaxprs too)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2 * int(np.prod(out)) * int(np.prod([lhs[d] for d in lhs_contract]))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            total += _dot_flops(sub)
+    return total
+
+
+def test_flops_formula_counts_every_matmul_of_the_forward_pass():
+    cfg = TransformerConfig(
+        vocab_size=37,
+        d_model=24,
+        num_heads=3,
+        d_kv=6,
+        d_ff=40,
+        num_encoder_layers=2,
+        num_decoder_layers=3,
+        dropout_rate=0.0,
+    )
+    model = Transformer(cfg)
+    src, tgt = jnp.ones((2, 7), jnp.int32), jnp.ones((2, 5), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), src, tgt))
+    jaxpr = jax.make_jaxpr(lambda p: model.apply(p, src, tgt))(params).jaxpr
+    assert benchmark.train_flops_per_step(cfg, 2, 7, 5) == 3 * _dot_flops(jaxpr)
+
+
+def test_train_benchmark_reports_mfu():
+    r = benchmark.train_benchmark(
+        TINY, batch=2, source_len=6, target_len=5, steps=2, peak_flops=1e9, log=lambda s: None
+    )
+    assert r["flops_per_step"] == benchmark.train_flops_per_step(TINY, 2, 6, 5)
+    assert r["mfu"] == pytest.approx(r["flops_per_s"] / 1e9)
+    assert r["compile_s"] > 0 and r["step_s"] > 0
