@@ -31,6 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
     m.layer_norm_epsilon = 1e-6  # LayerNorm epsilon
     m.dtype = "float32"  # compute dtype
     m.param_dtype = "float32"  # parameter dtype
+    m.scan_layers = False  # one lax.scan over layers (faster compiles for deep models)
+    m.remat = False  # with scan_layers: recompute activations in the backward pass
 
     config.data = d = ml_collections.ConfigDict()
     d.dataset = "number_words"  # the generated task (see flaxformer_lite/data/numbers.py)

@@ -62,7 +62,8 @@ class TransformerConfig:
     layer_norm_epsilon: float = 1e-6
     dtype: Any = jnp.float32  # compute dtype; softmax and loss always run in float32
     param_dtype: Any = jnp.float32  # storage dtype of parameters
-    decode: bool = False  # autoregressive single-step mode (set by the decoders)
+    scan_layers: bool = False  # run the layers as one lax.scan (compiles one layer body)
+    remat: bool = False  # with scan_layers: recompute layer activations in the backward pass
 
     def __post_init__(self):
         for name in (

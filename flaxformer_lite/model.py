@@ -119,6 +119,57 @@ class DecoderLayer(nn.Module):
         return y, out["weights"], out["cache"]
 
 
+def scan_layers(
+    parent: nn.Module,
+    layer_cls,
+    num_layers: int,
+    x: jax.Array,
+    args: tuple,
+    deterministic: bool,
+    first=lambda out: out,
+) -> jax.Array:
+    """Runs `num_layers` identical layers as one `lax.scan` over their stacked parameters.
+
+    The parameters keep their per-layer layout (`layer_0`, `layer_1`, ...), so
+    checkpoints are the same with or without scanning; they are stacked here,
+    [L, ...] per leaf, and the layer body is compiled once instead of L times.
+    With `config.remat` each layer's activations are recomputed in the
+    backward pass instead of stored.
+
+    Args:
+      x: [B, T, D] input of the first layer; args: the layer's other inputs.
+      first: picks the activations from a layer's output.
+    Returns:
+      [B, T, D] output of the last layer.
+    """
+    cfg = parent.config
+    params = parent.variables["params"]
+    stacked = jax.tree.map(
+        lambda *p: jnp.stack(p), *[params[f"layer_{i}"] for i in range(num_layers)]
+    )
+    if deterministic:
+        keys = jnp.zeros((num_layers, 2), jnp.uint32)
+    else:
+        base = parent.make_rng("dropout")
+        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(num_layers))
+    layer = layer_cls(cfg, parent=None)  # unbound: applied to explicit parameters
+
+    def body(h, xs):
+        layer_params, key = xs
+        out = layer.apply(
+            {"params": layer_params},
+            h,
+            *args,
+            deterministic=deterministic,
+            rngs=None if deterministic else {"dropout": key},
+        )
+        return first(out), None
+
+    if cfg.remat:
+        body = jax.checkpoint(body)
+    return jax.lax.scan(body, x, (stacked, keys))[0]
+
+
 class Encoder(nn.Module):
     """Embedding + positions + dropout, N encoder layers (+ final LN when pre-LN)."""
 
@@ -145,8 +196,11 @@ class Encoder(nn.Module):
             mask = mask & attention.segment_mask(segments, segments)
         x = AddPositions(cfg, name="positions")(self.embed(inputs), positions)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)  # §5.4
-        for i in range(cfg.num_encoder_layers):
-            x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic=deterministic)
+        if cfg.scan_layers and not self.is_initializing():
+            x = scan_layers(self, EncoderLayer, cfg.num_encoder_layers, x, (mask,), deterministic)
+        else:
+            for i in range(cfg.num_encoder_layers):
+                x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic=deterministic)
         if cfg.norm == "pre":
             x = layer_norm(cfg, "final_norm")(x)
         return x
@@ -220,6 +274,17 @@ class Decoder(nn.Module):
         y = self.positions(self.embed(decoder_inputs), positions)
         y = self.dropout(y, deterministic=deterministic)
         all_weights = []
+        if self.config.scan_layers and not return_weights and not self.is_initializing():
+            y = scan_layers(
+                self,
+                DecoderLayer,
+                len(self.layers),
+                y,
+                (encoded, self_mask, cross_mask),
+                deterministic,
+                first=lambda out: out[0],
+            )
+            return self._logits(y)
         for layer in self.layers:
             y, w, _ = layer(
                 y,

@@ -204,3 +204,23 @@ def test_packed_examples_never_see_each_other():
     )
     np.testing.assert_array_equal(a[0, :2], b[0, :2])
     assert not np.allclose(a[0, 3:], b[0, 3:])
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_over_layers_equals_unrolled(remat):
+    """Same parameters, same logits and gradients, with the layers as one lax.scan."""
+    params = _init(TINY)
+    scanned = TINY.replace(scan_layers=True, remat=remat)
+
+    def loss(cfg, p):
+        return jnp.sum(Transformer(cfg).apply({"params": p}, SRC, TGT) ** 2)
+
+    np.testing.assert_allclose(
+        Transformer(scanned).apply({"params": params}, SRC, TGT),
+        Transformer(TINY).apply({"params": params}, SRC, TGT),
+        atol=1e-5,
+    )
+    g_scan = jax.grad(lambda p: loss(scanned, p))(params)
+    g_unrolled = jax.grad(lambda p: loss(TINY, p))(params)
+    for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_unrolled), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
