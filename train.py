@@ -4,6 +4,10 @@
   python train.py --config configs/default.py --workdir workdirs/numbers \
       --config.model.num_encoder_layers=2 --config.train.num_steps=500
   python train.py --config configs/wmt14_ende_base.py --dry_run
+
+On several hosts, run on host i (i = 0 .. N-1; host0 runs process 0):
+  python train.py --config ... --workdir /shared/run \
+      --coordinator_address=host0:1234 --num_processes=N --process_id=i
 """
 
 import os
@@ -28,6 +32,20 @@ def define_flags() -> None:
         "Checkpoints, vocabulary and metrics go here; an existing run in it is resumed.",
     )
     flags.DEFINE_bool("dry_run", False, "Build the model abstractly, print its parameters, exit.")
+    flags.DEFINE_string(
+        "coordinator_address",
+        None,
+        "Multi-host: host:port of process 0, the same on every process "
+        "(default: $JAX_COORDINATOR_ADDRESS).",
+    )
+    flags.DEFINE_integer(
+        "num_processes", None, "Multi-host: number of processes (default: $JAX_NUM_PROCESSES)."
+    )
+    flags.DEFINE_integer(
+        "process_id",
+        None,
+        "Multi-host: this process, 0 .. num_processes - 1 (default: $JAX_PROCESS_ID).",
+    )
 
 
 @cli.friendly_errors
@@ -36,16 +54,33 @@ def main(argv):
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax and TFDS are chatty at INFO/WARNING
-    from flaxformer_lite import dry_run, train_lib
+    from flaxformer_lite import dry_run, partitioning
 
     if FLAGS.dry_run:
         dry_run.print_parameter_table(FLAGS.config)
         return
-    results = train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    print(
-        " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items())
-    )
-    sys.stdout.flush()
+    try:
+        # Before anything touches devices: the processes must first find each other.
+        partitioning.initialize_distributed(
+            FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
+        )
+    except partitioning.DistributedError as e:
+        cli.fail(str(e))
+    import jax
+
+    from flaxformer_lite import train_lib
+
+    try:
+        results = train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    except partitioning.DistributedError as e:
+        cli.fail(str(e))
+    if jax.process_index() == 0:
+        print(
+            " ".join(
+                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()
+            )
+        )
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

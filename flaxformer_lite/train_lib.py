@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from flaxformer_lite import checkpoints, inference, losses, optim, partitioning
@@ -192,7 +193,8 @@ PACKING_KEYS = ("inputs_segments", "inputs_positions", "targets_segments", "targ
 
 
 def _device_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-    """The model's inputs of a host batch, on the mesh (packing fields when present)."""
+    """The model's inputs of this process's rows of a batch, as global arrays on the mesh
+    (packing fields when present)."""
     keys = ("inputs", "targets") + tuple(k for k in PACKING_KEYS if k in batch)
     return partitioning.put_batch({k: batch[k] for k in keys}, mesh)
 
@@ -211,8 +213,12 @@ def evaluate(
 ) -> tuple[dict[str, float], list[tuple[str, str]]]:
     """Teacher-forced metrics, and free-running decoding scored against the references.
 
+    Every process reads the same global batches and feeds its own rows of them;
+    the metric sums (replicated by `eval_fn`) and the hypotheses (gathered here)
+    reach every process, so all of them compute the same metrics.
+
     Args:
-      dataset: fixed-shape batches of the split in order (not shuffled).
+      dataset: fixed-shape global batches of the split in order (not shuffled).
       references: the split's raw target strings, in the same order.
       decode_fn: (params, inputs int32[B, S]) -> int32[B, T] best hypotheses.
       bleu: also compute sacreBLEU and chrF (corpus level).
@@ -224,10 +230,14 @@ def evaluate(
     hyps: list[str] = []
     for i in range(n):
         host = dataset[i]
-        batch = _device_batch(host, mesh)
+        rows = partitioning.process_rows(len(host["valid"]), mesh)
+        batch = _device_batch({k: v[rows] for k, v in host.items()}, mesh)
         for k, v in jax.device_get(eval_fn(params, batch)).items():
             totals[k] = totals.get(k, 0.0) + float(v)
-        predicted = np.asarray(decode_fn(params, batch["inputs"]))  # [B, T]
+        # [B, T]; a plain host copy with one process, an all-gather across processes.
+        predicted = multihost_utils.process_allgather(
+            decode_fn(params, batch["inputs"]), tiled=True
+        )
         hyps.extend(tokenizer.decode_batch(predicted[host["valid"]]))
     refs = references[: len(hyps)]
     metrics = losses.summarize(totals)
@@ -313,6 +323,7 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
     """
     t, d = config.train, config.data
     mode = d.get("batching", "fixed")
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     if mode == "fixed":
         return make_dataset(
             train_split,
@@ -324,6 +335,7 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
             shuffle=True,
             repeat=True,
             drop_remainder=True,
+            **shard,
         )
     from flaxformer_lite.data import batching
 
@@ -335,7 +347,6 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
         f"and {tokenized.num_targets_truncated} targets truncated to "
         f"{d.max_source_len}/{d.max_target_len} tokens"
     )
-    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     if mode == "bucket":
         max_tokens = d.get("max_tokens", 0) or None
         plan = batching.BucketedBatches(
@@ -343,6 +354,7 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
             batch_size=None if max_tokens else t.batch_size,
             max_tokens=max_tokens,
             seed=t.seed,
+            pad_to_multiple=jax.local_device_count(),  # every device gets the same rows
             **shard,
         )
     elif mode == "pack":
@@ -393,25 +405,54 @@ def _print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
         )
 
 
-def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
-) -> dict[str, float]:
-    """Trains (or resumes) the run in `workdir`, evaluates, and returns final test metrics."""
-    # tqdm.write keeps log lines from tearing the progress bar.
-    log = log or (lambda s: tqdm.write(s, file=sys.stderr))
-    run_config_lib.validate(config)
+def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
+    """Data splits, tokenizer, model config, saved run config, and whether the workdir had a run.
+
+    Process 0 prepares the data, trains the vocabulary and claims the workdir;
+    the others then read its vocabulary (see `partitioning.process_0_first`).
+    """
     splits = run_config_lib.load_splits(config.data)
+    vocab = os.path.join(workdir, VOCAB_FILE)
+    if jax.process_index() != 0 and not os.path.exists(vocab):
+        raise checkpoints.WorkdirError(
+            f"process {jax.process_index()} cannot see {vocab}, which process 0 wrote: the "
+            "workdir must be on a filesystem that every host shares"
+        )
     tokenizer, new_vocab = load_or_train_tokenizer(config, workdir, splits["train"])
     model_cfg = run_config_lib.model_config(config, tokenizer.vocab_size)
     saved = run_config_lib.to_saved_dict(config, model_cfg)
     resumed_dir = checkpoints.claim_workdir(workdir, saved, run_config_lib.SHAPE_FIELDS)
     if new_vocab and jax.process_index() == 0:
-        tokenizer.save(os.path.join(workdir, VOCAB_FILE))
+        tokenizer.save(vocab)
+    return splits, tokenizer, model_cfg, saved, resumed_dir
 
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
+) -> dict[str, float]:
+    """Trains (or resumes) the run in `workdir`, evaluates, and returns final test metrics.
+
+    In a multi-process job every process calls this with the same arguments
+    (after `partitioning.initialize_distributed`); each feeds its own rows of
+    every batch, all of them save and restore checkpoints together, only
+    process 0 logs and writes files, and all return the same metrics.
+    """
+    # tqdm.write keeps log lines from tearing the progress bar.
+    log = log or (lambda s: tqdm.write(s, file=sys.stderr))
+    if jax.process_index() != 0:
+        log = lambda s: None  # noqa: E731 (one log per job)
+    run_config_lib.validate(config)
     t, d = config.train, config.data
+    mesh = partitioning.make_mesh()
+    if not (d.get("batching", "fixed") == "bucket" and d.get("max_tokens", 0)):
+        partitioning.check_batch_size(t.batch_size, mesh, "train.batch_size")
+    partitioning.check_batch_size(t.eval_batch_size, mesh, "train.eval_batch_size")
+    splits, tokenizer, model_cfg, saved, resumed_dir = partitioning.process_0_first(
+        lambda: _prepare_workdir(config, workdir), "preparing the data and the workdir"
+    )
+
     model = Transformer(model_cfg)
     schedule, tx = make_optimizer(config, model_cfg)
-    mesh = partitioning.make_mesh()
     state, state_shardings = create_state(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
     )
@@ -436,10 +477,12 @@ def train_and_evaluate(
         out_shardings=(state_shardings, partitioning.replicated(mesh)),
         donate_argnums=0,
     )
+    # Metric sums come back replicated: every process gets all of them.
     p_eval = jax.jit(
         functools.partial(
             eval_step, model=model, label_smoothing=t.label_smoothing, bos_id=tokenizer_lib.BOS_ID
-        )
+        ),
+        out_shardings=partitioning.replicated(mesh),
     )
     search = inference.SearchConfig(
         t.eval_search, d.max_target_len, beam_size=t.eval_beam_size, alpha=t.eval_alpha

@@ -111,6 +111,8 @@ def make_dataset(
     shuffle: bool,
     repeat: bool,
     drop_remainder: bool,
+    process_index: int = 0,
+    process_count: int = 1,
 ) -> grain.MapDataset:
     """Builds a random-access dataset of fixed-shape batches from a split.
 
@@ -137,6 +139,11 @@ def make_dataset(
             across epoch boundaries, so every batch is full.
         drop_remainder: drop a final partial batch instead of padding it with rows whose
             ``valid`` is False. Irrelevant when ``repeat``.
+        process_index, process_count: this process ``p`` in ``[0, P)``, and ``P``. Batch ``i``
+            is then only rows ``[p * B / P, (p + 1) * B / P)`` of global batch ``i`` (arrays
+            ``[B / P, ...]``; only those examples are read and tokenized). ``batch_size`` must be
+            a multiple of ``P``, and with ``P > 1`` a final partial batch is dropped (``repeat``
+            or ``drop_remainder`` is required).
 
     Returns:
         A ``grain.MapDataset`` of batch dicts.
@@ -147,6 +154,16 @@ def make_dataset(
         raise ValueError(
             f"max_source_len and max_target_len must be >= 1, got {max_source_len}, "
             f"{max_target_len}"
+        )
+    if not 0 <= process_index < process_count or batch_size % process_count:
+        raise ValueError(
+            f"need 0 <= process_index < process_count dividing batch_size, got process_index="
+            f"{process_index}, process_count={process_count}, batch_size={batch_size}"
+        )
+    if process_count > 1 and not (repeat or drop_remainder):
+        raise ValueError(
+            "a final partial batch cannot be split between processes: pass repeat or "
+            "drop_remainder, or read global batches and slice them"
         )
     ds = grain.MapDataset.source(source)
     if shuffle:
@@ -163,8 +180,14 @@ def make_dataset(
             max_target_len=max_target_len,
         )
     )
-    return ds.batch(
-        batch_size,
+    rows = batch_size // process_count
+    ds = ds.batch(
+        rows,
         drop_remainder=drop_remainder,
-        batch_fn=functools.partial(_stack_batch, batch_size=batch_size),
+        batch_fn=functools.partial(_stack_batch, batch_size=rows),
     )
+    if process_count > 1:
+        # Global batch i is local batches [i * P, (i + 1) * P) in this order; grain slices
+        # lazily, so the other processes' examples are never tokenized here.
+        ds = ds[: len(ds) // process_count * process_count][process_index::process_count]
+    return ds

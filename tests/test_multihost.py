@@ -1,0 +1,249 @@
+"""Multi-process data parallelism: two processes train like one, and a dead peer ends the job.
+
+Also: each process reads its own rows of every batch, and bad setups fail with one line.
+The job tests start real JAX processes on 127.0.0.1 (gloo collectives, 2 simulated
+CPU devices each) in subprocesses with timeouts, since a process whose peer
+dies is terminated by the JAX runtime.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, tiny_config
+from test_sharding import _train
+
+from flaxformer_lite import run_config
+from flaxformer_lite.data import numbers, pipeline
+from flaxformer_lite.data.tokenizer import Tokenizer
+
+PROCESSES, LOCAL_DEVICES = 2, 2
+
+# One process of a job: joins it, trains, and (all processes together) restores the result.
+SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {root!r} + "/tests")
+from flaxformer_lite import partitioning
+partitioning.initialize_distributed(
+    {address!r}, {processes}, {index}, local_device_count={local},
+    initialization_timeout_s=60, heartbeat_timeout_s={heartbeat}, shutdown_timeout_s=30,
+)
+import jax
+import numpy as np
+from conftest import tiny_config
+from flaxformer_lite import train_lib
+assert jax.device_count() == {processes} * {local}, jax.devices()
+{body}
+"""
+
+# Trains; all processes restore the checkpoint together; process 0 saves the parameters.
+TRAIN = """
+import json
+config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8)
+results = train_lib.train_and_evaluate(config, {workdir!r}, log=print)
+with open(f"{out}.{{jax.process_index()}}.json", "w") as f:
+    json.dump(results, f)
+_, state, _, _ = train_lib.restore_trained({workdir!r})
+if jax.process_index() == 0:
+    leaves = {{jax.tree_util.keystr(p): np.asarray(x) for p, x in
+              jax.tree_util.tree_flatten_with_path(state.params)[0]}}
+    np.savez({out!r}, **leaves)
+"""
+
+# Trains "forever" (until a peer is killed).
+TRAIN_LONG = """
+config = tiny_config({tfds!r}, num_steps=100_000, checkpoint_every=0, log_every=1)
+train_lib.train_and_evaluate(config, {workdir!r})
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(body: str, tmp_path, *, heartbeat: int = 100, **fields) -> list[subprocess.Popen]:
+    """Starts the processes of one job; their output goes to tmp_path/process_<i>.log."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # local_device_count sets the device count
+    address = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for index in range(PROCESSES):
+        code = SCRIPT.format(
+            root=ROOT,
+            address=address,
+            processes=PROCESSES,
+            index=index,
+            local=LOCAL_DEVICES,
+            heartbeat=heartbeat,
+            body=body.format(**fields),
+        )
+        log = open(tmp_path / f"process_{index}.log", "w")  # noqa: SIM115 (closed by the child)
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
+        )
+        log.close()
+    return procs
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _assert_params_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        a, b = got[name], want[name]
+        # As in test_sharding.py: key biases only get rounding-noise gradients (softmax ignores
+        # a constant per query), which Adam scales up; they differ between reduction orders.
+        if name.endswith("['qkv_bias']"):
+            a, b = a[[0, 2]], b[[0, 2]]  # [q, k, v] -> q and v
+        elif name.endswith("['kv_bias']"):
+            a, b = a[1], b[1]  # [k, v] -> v
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("repeat", [True, False])
+def test_each_process_reads_its_rows_of_every_global_batch(repeat):
+    split = numbers.generate_pairs(["de"], 99, seed=1, valid_fraction=0.0, test_fraction=0.0)
+    source = [{"source": s, "target": t} for s, t in split["train"]]  # 100 examples
+    tok = Tokenizer.train([e["source"] for e in source] + [e["target"] for e in source], 200)
+    common = dict(max_source_len=8, max_target_len=24, seed=0, shuffle=True, repeat=repeat)
+    whole = pipeline.make_dataset(source, tok, batch_size=16, drop_remainder=True, **common)
+    parts = [
+        pipeline.make_dataset(
+            source,
+            tok,
+            batch_size=16,
+            drop_remainder=True,
+            process_index=p,
+            process_count=4,
+            **common,
+        )
+        for p in range(4)
+    ]
+    if not repeat:
+        assert len(whole) == 6 and all(len(part) == 6 for part in parts)
+    for step in (0, 5) + ((6, 13) if repeat else ()):  # both epochs when repeating
+        for key, rows in whole[step].items():
+            np.testing.assert_array_equal(np.concatenate([p[step][key] for p in parts]), rows)
+    if not repeat:
+        with pytest.raises(ValueError, match="partial batch"):
+            pipeline.make_dataset(
+                source, tok, batch_size=16, drop_remainder=False, process_count=4, **common
+            )
+
+
+@pytest.fixture(scope="module")
+def prepared_tfds(tfds_dir):
+    """The tiny task prepared once here, so that the processes only read it."""
+    run_config.load_splits(tiny_config(tfds_dir).data)
+    return tfds_dir
+
+
+def test_two_processes_train_like_one(prepared_tfds, tmp_path):
+    out = str(tmp_path / "params_2x2.npz")
+    workdir = str(tmp_path / "run_2x2")
+    procs = _launch(TRAIN, tmp_path, tfds=prepared_tfds, workdir=workdir, out=out)
+    try:
+        # The 1-device reference shares the CPU with the job meanwhile; the 4-device
+        # single-process run is compared with 1 device in test_sharding.py.
+        one = _train(1, prepared_tfds, tmp_path)
+        for index, p in enumerate(procs):
+            code = p.wait(timeout=240)
+            log = (tmp_path / f"process_{index}.log").read_text()
+            assert code == 0, f"process {index} exited with {code}:\n{log[-3000:]}"
+    finally:
+        _stop(procs)
+    logs = [(tmp_path / f"process_{i}.log").read_text() for i in range(PROCESSES)]
+    assert "step 8 test:" in logs[0]
+    assert "step 8 test:" not in logs[1]  # only process 0 logs
+    # Evaluation gathered every hypothesis onto both processes: the same metrics.
+    metrics = [json.loads((tmp_path / f"params_2x2.npz.{i}.json").read_text()) for i in range(2)]
+    assert metrics[0] == metrics[1] and metrics[0]["step"] == 8
+    two = dict(np.load(out))
+    _assert_params_close(two, one)
+
+
+def test_dead_peer_ends_the_job(prepared_tfds, tmp_path):
+    workdir = tmp_path / "run"
+    procs = _launch(TRAIN_LONG, tmp_path, heartbeat=10, tfds=prepared_tfds, workdir=str(workdir))
+    try:
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size):  # training steps are running
+            assert all(p.poll() is None for p in procs), (tmp_path / "process_0.log").read_text()
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=90)
+        waited = time.monotonic() - killed
+    finally:
+        _stop(procs)
+    log = (tmp_path / "process_0.log").read_text()
+    assert code != 0, log[-3000:]
+    assert waited < 60, waited
+    # The JAX runtime names the cause (heartbeats stopped) or the broken collective.
+    assert "another task died" in log or "Connection reset by peer" in log, log[-3000:]
+
+
+def _train_cli(tmp_path, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
+    return subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path)]
+        + list(args),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_bad_multihost_setups_fail_with_one_line(tmp_path):
+    result = _train_cli(
+        tmp_path, "--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=5"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == (
+        "error: process_id must be in [0, num_processes), got process_id=5, num_processes=2"
+    )
+    result = _train_cli(tmp_path, "--config.train.batch_size=6", devices=4)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == (
+        "error: train.batch_size=6 must be divisible by the 4 devices of the mesh "
+        "(1 process(es) x 4 local devices); use e.g. 8"
+    )
+    # No process 0 listens: a clear error after the initialization timeout, not a JAX abort.
+    code = (
+        f"import sys; sys.path.insert(0, {ROOT!r})\n"
+        "from flaxformer_lite import partitioning\n"
+        f"partitioning.initialize_distributed('127.0.0.1:{_free_port()}', 2, 1, "
+        "initialization_timeout_s=1)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "DistributedError: process 1 of 2: the coordinator 127.0.0.1:" in result.stderr
+    assert "did not answer within 1 s" in result.stderr
