@@ -41,7 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     o = config.optim
     o.schedule = "rsqrt"  # the paper's warm-up then inverse square root decay
-    o.learning_rate = 2.0  # multiplier of the paper's rate (small model, pre-LN)
+    o.learning_rate = 0.5  # multiplier of the paper's rate: peak 1e-3 at 1000 warm-up steps
     o.warmup_steps = 1000  # warm-up steps
     o.grad_clip_norm = 1.0  # global-norm clipping
 
