@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import ROOT, assert_params_close, tiny_config
 from test_sharding import _train
 
 from flaxformer_lite import run_config
@@ -101,19 +101,6 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _assert_params_close(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        a, b = got[name], want[name]
-        # As in test_sharding.py: key biases only get rounding-noise gradients (softmax ignores
-        # a constant per query), which Adam scales up; they differ between reduction orders.
-        if name.endswith("['qkv_bias']"):
-            a, b = a[[0, 2]], b[[0, 2]]  # [q, k, v] -> q and v
-        elif name.endswith("['kv_bias']"):
-            a, b = a[1], b[1]  # [k, v] -> v
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=name)
-
-
 @pytest.mark.parametrize("repeat", [True, False])
 def test_each_process_reads_its_rows_of_every_global_batch(repeat):
     split = numbers.generate_pairs(["de"], 99, seed=1, valid_fraction=0.0, test_fraction=0.0)
@@ -173,7 +160,7 @@ def test_two_processes_train_like_one(prepared_tfds, tmp_path):
     metrics = [json.loads((tmp_path / f"params_2x2.npz.{i}.json").read_text()) for i in range(2)]
     assert metrics[0] == metrics[1] and metrics[0]["step"] == 8
     two = dict(np.load(out))
-    _assert_params_close(two, one)
+    assert_params_close(two, one)
 
 
 def test_dead_peer_ends_the_job(prepared_tfds, tmp_path):
