@@ -49,12 +49,18 @@ def cross_entropy(
 
 
 def metrics_sums(
-    logits: jax.Array, labels: jax.Array, label_smoothing: float
+    logits: jax.Array,
+    labels: jax.Array,
+    label_smoothing: float,
+    segments: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Sums over a batch, to be divided by `tokens` (or `sequences`) after aggregation.
 
     Args:
       logits: float[B, T, V]; labels: int[B, T].
+      segments: int[B, T] target segment ids of packed rows (1, 2, ... per
+        example, 0 at padding), or None when every row holds one example.
+        Sequence accuracy counts examples (segments), not rows.
     Returns:
       dict of float32 scalars: loss (smoothed), nll, correct tokens,
       correct whole sequences, tokens, sequences.
@@ -62,15 +68,27 @@ def metrics_sums(
     smoothed, nll = cross_entropy(logits, labels, label_smoothing)
     weights = (labels != PAD_ID).astype(jnp.float32)
     hit = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32) * weights
-    real = jnp.any(labels != PAD_ID, axis=-1)  # [B] rows that are not padding rows
-    seq_ok = jnp.all((hit > 0) | (weights == 0), axis=-1) & real
+    if segments is None:
+        real = jnp.any(labels != PAD_ID, axis=-1)  # [B] rows that are not padding rows
+        seq_ok = jnp.all((hit > 0) | (weights == 0), axis=-1) & real
+        seq_correct, sequences = seq_ok.sum(), real.sum()
+    else:
+        # Per (row, segment) counts of real and of wrong tokens: segment ids of row b
+        # map to slots b * (T + 1) + id, so one segment_sum covers the whole batch.
+        b, t = labels.shape
+        slot = (segments + jnp.arange(b)[:, None] * (t + 1)).reshape(-1)
+        count = jax.ops.segment_sum(weights.reshape(-1), slot, num_segments=b * (t + 1))
+        wrong = jax.ops.segment_sum((weights - hit).reshape(-1), slot, num_segments=b * (t + 1))
+        present = (count > 0).reshape(b, t + 1).at[:, 0].set(False)  # id 0 is padding
+        seq_correct = (present & (wrong.reshape(b, t + 1) == 0)).sum()
+        sequences = present.sum()
     return {
         "loss": smoothed.sum(),
         "nll": nll.sum(),
         "correct": hit.sum(),
-        "seq_correct": seq_ok.sum().astype(jnp.float32),
+        "seq_correct": seq_correct.astype(jnp.float32),
         "tokens": weights.sum(),
-        "sequences": real.sum().astype(jnp.float32),
+        "sequences": sequences.astype(jnp.float32),
     }
 
 

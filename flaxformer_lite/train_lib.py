@@ -100,7 +100,7 @@ def _loss_sums(params, batch, *, model, label_smoothing, bos_id, rng):
         rngs={"dropout": rng},
         packing=packing,
     )  # [B, T, V]
-    sums = losses.metrics_sums(logits, batch["targets"], label_smoothing)
+    sums = losses.metrics_sums(logits, batch["targets"], label_smoothing, segments)
     return sums["loss"], sums
 
 

@@ -290,3 +290,11 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
     for i, (r, k) in enumerate(rows):
         mask = seg_out[r] == k
         np.testing.assert_allclose(packed[r][mask], separate[i, : mask.sum()], atol=1e-5)
+    # Metric sums count examples, not rows: packed (by segment) equals separate rows.
+    from flaxformer_lite import losses
+
+    by_segment = losses.metrics_sums(packed, batch["targets"], 0.1, batch["targets_segments"])
+    by_row = losses.metrics_sums(separate, targets, 0.1)
+    assert float(by_segment["sequences"]) == len(rows)
+    for key in by_row:
+        np.testing.assert_allclose(by_segment[key], by_row[key], rtol=1e-5, err_msg=key)

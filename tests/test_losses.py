@@ -47,6 +47,20 @@ def test_metric_sums_count_tokens_and_sequences():
     assert summary["perplexity"] == pytest.approx(math.exp(summary["nll"]))
 
 
+def test_packed_sequence_accuracy_counts_each_segment():
+    # Row 0 packs three examples (segments 1, 2, 3), row 1 one; argmax = index.
+    labels = jnp.array([[1, 2, 3, 1, 2, 0], [3, 3, 3, 3, 0, 0]])
+    predicted = jnp.array([[1, 2, 1, 1, 2, 0], [3, 3, 3, 3, 0, 0]])
+    segments = jnp.array([[1, 1, 2, 3, 3, 0], [1, 1, 1, 1, 0, 0]])
+    logits = jnp.array(np.eye(4)[predicted] * 5.0)
+    sums = losses.metrics_sums(logits, labels, 0.0, segments)
+    assert float(sums["sequences"]) == 4.0  # examples, not rows
+    assert float(sums["seq_correct"]) == 3.0  # segment 2 of row 0 is wrong
+    assert float(sums["tokens"]) == 9.0 and float(sums["correct"]) == 8.0
+    # Without segments each row is one sequence: row 0 counts as wrong.
+    assert float(losses.metrics_sums(logits, labels, 0.0)["seq_correct"]) == 1.0
+
+
 @pytest.mark.parametrize("step", [1, 100, 3999, 4000, 4001, 100000])
 def test_schedule_is_the_paper_formula(step):
     schedule = optim.paper_schedule(d_model=512, warmup_steps=4000)
