@@ -42,7 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
     d.seed = 0  # seed of the train/validation/test assignment
     d.valid_fraction = 0.05  # share of (language, number) pairs held out for validation
     d.test_fraction = 0.05  # share held out for the final test
-    d.vocab_size = 256  # SentencePiece vocabulary size (shared source/target)
+    d.vocab_size = 256  # SentencePiece vocabulary size (the shared, or the source, one)
+    d.shared_vocab = True  # one vocabulary for both sides; False: one per side
+    d.target_vocab_size = 0  # target vocabulary size when not shared (0: data.vocab_size)
     d.vocab_model_type = "unigram"  # unigram | bpe
     d.max_source_len = 10  # source tokens incl. EOS (longer are truncated)
     d.max_target_len = 16  # target tokens incl. EOS

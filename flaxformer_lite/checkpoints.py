@@ -6,7 +6,8 @@ Layout of a workdir:
     run_config.json      the full run config of the run that made it (marks ownership)
     checkpoints/<step>/  orbax items: "state" (train state), "meta" (JSON: step,
                          model config, per-leaf SHA-256 checksums)
-    vocab.spm            the tokenizer (written by the data code)
+    vocab.spm            the shared tokenizer, or vocab.source.spm and
+                         vocab.target.spm (see data/tokenizer.py: Vocabularies)
     metrics.jsonl        one JSON object per logged step / evaluation
     tensorboard/         event files
 

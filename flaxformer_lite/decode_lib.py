@@ -26,9 +26,8 @@ import numpy as np
 
 from flaxformer_lite import checkpoints, inference
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies
 
-VOCAB_FILE = "vocab.spm"  # as written by train_lib
 # Every character that some reader treats as a line break, plus the n-best field separator.
 _SEPARATORS = str.maketrans({c: " " for c in "\t\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
 
@@ -118,11 +117,11 @@ def format_line(hypotheses: Sequence[tuple[str, float]], nbest: int = 1) -> str:
 # Workdir and search settings.
 
 
-def open_workdir(workdir: str, step: int | None = None) -> tuple[dict, Tokenizer]:
+def open_workdir(workdir: str, step: int | None = None) -> tuple[dict, Vocabularies]:
     """Checks a training workdir cheaply before the model is restored.
 
     Returns:
-      (run config dict, tokenizer).
+      (run config dict, the run's source and target vocabularies).
     Raises:
       WorkdirError / FileNotFoundError whose messages name the fix.
     """
@@ -142,13 +141,14 @@ def open_workdir(workdir: str, step: int | None = None) -> tuple[dict, Tokenizer
             f"no checkpoint for --step {step} in {ckpt_dir}; available steps: "
             + ", ".join(map(str, steps))
         )
-    vocab = os.path.join(workdir, VOCAB_FILE)
-    if not os.path.exists(vocab):
+    try:
+        vocab = tokenizer_lib.Vocabularies.load(workdir)
+    except FileNotFoundError as e:
         raise FileNotFoundError(
-            f"{vocab} is missing; restore it, or rerun train.py --workdir {workdir} "
-            "(the vocabulary is rebuilt deterministically from the training data)"
-        )
-    return run_config, tokenizer_lib.Tokenizer.load(vocab)
+            f"{e}; restore it, or rerun train.py --workdir {workdir} (the vocabulary is "
+            "rebuilt deterministically from the training data)"
+        ) from None
+    return run_config, vocab
 
 
 def make_search(
@@ -225,9 +225,15 @@ class Sources:
 
 
 def tokenize_lines(
-    tokenizer: Tokenizer, lines: Sequence[str], max_source_len: int, *, strict: bool = False
+    tokenizer: Tokenizer | Vocabularies,
+    lines: Sequence[str],
+    max_source_len: int,
+    *,
+    strict: bool = False,
 ) -> Sources:
     """Source ids as training makes them: `encode(line) + [EOS]`, at most `max_source_len`.
+
+    `tokenizer`: the shared tokenizer, or the pair whose source side is used.
 
     Blank lines get [] and are not decoded. Longer sources are cut to
     `max_source_len` ids with EOS kept last, or with `strict` refused.
@@ -235,10 +241,11 @@ def tokenize_lines(
     Raises:
       InputError: `strict` and some line is too long (names the first line numbers, 1-based).
     """
+    encoder = Vocabularies.of(tokenizer).source
     out = Sources(ids=[])
     too_long = []
     for number, line in enumerate(lines, start=1):
-        ids = tokenizer.encode(line) if line.strip() else []
+        ids = encoder.encode(line) if line.strip() else []
         if not ids:
             out.ids.append([])
             out.num_empty += 1
@@ -302,7 +309,7 @@ class DecodeResult:
 def decode_lines(
     model,
     params,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | Vocabularies,
     run_config: dict,
     lines: Sequence[str] | Sources,
     *,
@@ -316,6 +323,7 @@ def decode_lines(
     """Decodes text lines in length buckets; exactly one result per line, in input order.
 
     Args:
+      tokenizer: the shared tokenizer, or the source/target pair.
       lines: text lines, or their `tokenize_lines` result.
       search: from `make_search`; nbest > 1 needs beam search with beam_size >= nbest.
       batch_size: rows per model call (fewer if there are fewer lines).
@@ -327,6 +335,7 @@ def decode_lines(
     import jax
     from tqdm import tqdm
 
+    target_vocab = Vocabularies.of(tokenizer).target
     max_source_len = run_config["data"]["max_source_len"]
     sources = lines
     if not isinstance(lines, Sources):
@@ -349,7 +358,7 @@ def decode_lines(
         for row, i in enumerate(indices):
             kept = range(min(nbest, tokens.shape[1]))
             result.hypotheses[i] = [
-                (tokenizer.decode(tokens[row, k]), float(scores[row, k])) for k in kept
+                (target_vocab.decode(tokens[row, k]), float(scores[row, k])) for k in kept
             ]
             ids = [t for t in tokens[row, 0].tolist() if t != PAD_ID]  # as Tokenizer.decode
             result.output_ids[i] = ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
@@ -416,7 +425,7 @@ def check_attention_layer(layer: int, num_layers: int) -> None:
 def save_attention_pngs(
     model,
     params,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | Vocabularies,
     source_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
     out_dir: str,
@@ -463,10 +472,11 @@ def save_attention_pngs(
         return weights[layer]  # float32[B, N, T, S]
 
     weights = np.asarray(jax.jit(weights_fn)(params, inputs, decoder_inputs))
+    vocab = Vocabularies.of(tokenizer)
     paths = []
     for row, i in enumerate(chosen):
-        src = [tokenizer.id_to_piece(t) for t in source_ids[i]]
-        out = [tokenizer.id_to_piece(t) for t in output_ids[i]]
+        src = [vocab.source.id_to_piece(t) for t in source_ids[i]]
+        out = [vocab.target.id_to_piece(t) for t in output_ids[i]]
         heads = weights.shape[1]
         # Capped so that long sentences still give a figure within matplotlib's pixel limits.
         width = heads * (1.0 + min(0.3 * len(src), 12.0))

@@ -22,12 +22,20 @@ SHAPE_FIELDS = MODEL_SHAPE_FIELDS
 
 
 def model_config(
-    config: ml_collections.ConfigDict, vocab_size: int | None = None, **overrides
+    config: ml_collections.ConfigDict,
+    vocab_size: int | None = None,
+    target_vocab_size: int | None = None,
+    **overrides,
 ) -> TransformerConfig:
-    """The model config of a run; `vocab_size` (from the tokenizer) overrides the config's."""
+    """The model config of a run.
+
+    `vocab_size` and `target_vocab_size` (from the trained vocabularies; the
+    latter None when one vocabulary is shared) override the config's.
+    """
     values = dict(config.model.to_dict())
     if vocab_size is not None:
         values["vocab_size"] = vocab_size
+        values["target_vocab_size"] = target_vocab_size
     values.update(overrides)
     return from_mapping(values)
 
@@ -56,6 +64,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for name in ("max_source_len", "max_target_len", "vocab_size"):
         if not isinstance(d[name], int) or d[name] < 2:
             raise ConfigError(f"data.{name} must be an integer >= 2, got {d[name]!r}")
+    shared = d.get("shared_vocab", True)
+    target_size = d.get("target_vocab_size", 0)
+    if not isinstance(target_size, int) or target_size < 0 or target_size == 1:
+        raise ConfigError(
+            f"data.target_vocab_size must be 0 (same as data.vocab_size) or an integer >= 2, "
+            f"got {target_size!r}"
+        )
+    if shared and target_size not in (0, d.vocab_size):
+        raise ConfigError(
+            f"data.target_vocab_size={target_size} needs separate vocabularies: set "
+            "--config.data.shared_vocab=False (and --config.model.share_embeddings=False)"
+        )
+    if not shared and config.model.share_embeddings:
+        raise ConfigError(
+            "data.shared_vocab=False gives the source and the target their own vocabularies, "
+            "which cannot share one embedding table: set --config.model.share_embeddings=False"
+        )
 
 
 def load_splits(data: ml_collections.ConfigDict) -> dict[str, Any]:

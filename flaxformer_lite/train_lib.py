@@ -9,7 +9,6 @@ names in `partitioning.py`.
 from __future__ import annotations
 
 import functools
-import os
 import queue
 import sys
 import threading
@@ -33,8 +32,6 @@ from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.pipeline import make_dataset, texts
 from flaxformer_lite.metric_writer import MetricWriter
 from flaxformer_lite.model import Transformer, shift_right
-
-VOCAB_FILE = "vocab.spm"
 
 
 @flax.struct.dataclass
@@ -225,6 +222,7 @@ def evaluate(
     Returns:
       (metrics, [(prediction, reference)] for every evaluated example).
     """
+    target_vocab = tokenizer_lib.Vocabularies.of(tokenizer).target
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
     totals: dict[str, float] = {}
     hyps: list[str] = []
@@ -238,7 +236,7 @@ def evaluate(
         predicted = multihost_utils.process_allgather(
             decode_fn(params, batch["inputs"]), tiled=True
         )
-        hyps.extend(tokenizer.decode_batch(predicted[host["valid"]]))
+        hyps.extend(target_vocab.decode_batch(predicted[host["valid"]]))
     refs = references[: len(hyps)]
     metrics = losses.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
@@ -281,7 +279,7 @@ def make_optimizer(config: ml_collections.ConfigDict, model_cfg):
 
 
 def restore_trained(workdir: str, step: int | None = None):
-    """Loads a training workdir: (model, state, tokenizer, run config dict).
+    """Loads a training workdir: (model, state, vocabularies, run config dict).
 
     Raises:
       WorkdirError: not a training workdir.
@@ -292,10 +290,7 @@ def restore_trained(workdir: str, step: int | None = None):
     model_cfg = run_config_lib.model_config(config)
     model = Transformer(model_cfg)
     _, tx = make_optimizer(config, model_cfg)
-    vocab = os.path.join(workdir, VOCAB_FILE)
-    if not os.path.exists(vocab):
-        raise FileNotFoundError(f"{vocab} is missing: the workdir's vocabulary is needed")
-    tokenizer = tokenizer_lib.Tokenizer.load(vocab)
+    tokenizer = tokenizer_lib.Vocabularies.load(workdir)
     mesh = partitioning.make_mesh()
     d = config.data
     abstract = abstract_state(model, tx, config.train.seed, d.max_source_len, d.max_target_len)
@@ -378,23 +373,36 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
 
 
 def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, train_split):
-    """The workdir's tokenizer if it has one, else one trained on the training split."""
-    path = os.path.join(workdir, VOCAB_FILE)
-    if os.path.exists(path):
-        return tokenizer_lib.Tokenizer.load(path), False
-    corpus = texts(train_split, "source") + texts(train_split, "target")
-    tok = tokenizer_lib.Tokenizer.train(
-        corpus, config.data.vocab_size, model_type=config.data.vocab_model_type
+    """(the workdir's vocabularies if it has them, else ones trained on the training split,
+    whether they are new)."""
+    if tokenizer_lib.Vocabularies.exists(workdir):
+        vocab = tokenizer_lib.Vocabularies.load(workdir)
+        if vocab.shared != config.data.get("shared_vocab", True):
+            raise run_config_lib.ConfigError(
+                f"data.shared_vocab={config.data.get('shared_vocab', True)} but workdir {workdir} "
+                f"holds {'one shared vocabulary' if vocab.shared else 'separate vocabularies'}; "
+                "use the run's setting or a new --workdir"
+            )
+        return vocab, False
+    d = config.data
+    vocab = tokenizer_lib.Vocabularies.train(
+        texts(train_split, "source"),
+        texts(train_split, "target"),
+        d.vocab_size,
+        d.vocab_model_type,
+        shared=d.get("shared_vocab", True),
+        target_vocab_size=d.get("target_vocab_size", 0) or None,
     )
-    return tok, True
+    return vocab, True
 
 
 def _print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
     """Logs the first `count` held-out examples and up to `count` of the errors."""
+    source_vocab = tokenizer_lib.Vocabularies.of(tokenizer).source
     sources = []
     for i in range(len(dataset)):
         batch = dataset[i]
-        sources.extend(tokenizer.decode_batch(batch["inputs"][batch["valid"]]))
+        sources.extend(source_vocab.decode_batch(batch["inputs"][batch["valid"]]))
     rows = list(zip(sources, pairs))
     errors = [r for r in rows if r[1][0] != r[1][1]]
     log(f"held-out test examples ({len(errors)} of {len(rows)} wrong), source => prediction:")
@@ -412,18 +420,21 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
     the others then read its vocabulary (see `partitioning.process_0_first`).
     """
     splits = run_config_lib.load_splits(config.data)
-    vocab = os.path.join(workdir, VOCAB_FILE)
-    if jax.process_index() != 0 and not os.path.exists(vocab):
+    if jax.process_index() != 0 and not tokenizer_lib.Vocabularies.exists(workdir):
         raise checkpoints.WorkdirError(
-            f"process {jax.process_index()} cannot see {vocab}, which process 0 wrote: the "
-            "workdir must be on a filesystem that every host shares"
+            f"process {jax.process_index()} cannot see the vocabulary in {workdir}, which "
+            "process 0 wrote: the workdir must be on a filesystem that every host shares"
         )
     tokenizer, new_vocab = load_or_train_tokenizer(config, workdir, splits["train"])
-    model_cfg = run_config_lib.model_config(config, tokenizer.vocab_size)
+    model_cfg = run_config_lib.model_config(
+        config,
+        tokenizer.source.vocab_size,
+        None if tokenizer.shared else tokenizer.target.vocab_size,
+    )
     saved = run_config_lib.to_saved_dict(config, model_cfg)
     resumed_dir = checkpoints.claim_workdir(workdir, saved, run_config_lib.SHAPE_FIELDS)
     if new_vocab and jax.process_index() == 0:
-        tokenizer.save(vocab)
+        tokenizer.save(workdir)
     return splits, tokenizer, model_cfg, saved, resumed_dir
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer
+from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
 
 SOURCE_FIELD = "source"
 TARGET_FIELD = "target"
@@ -45,7 +45,7 @@ def texts(source: Sequence[Mapping[str, Any]], field: str) -> list[str]:
 
 def count_truncated(
     source: Sequence[Mapping[str, Any]],
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | Vocabularies,
     max_source_len: int,
     max_target_len: int,
 ) -> tuple[int, int]:
@@ -56,22 +56,23 @@ def count_truncated(
     Returns:
         ``(num_sources_truncated, num_targets_truncated)``.
     """
-    _, num_sources = tokenizer.encode_batch(texts(source, SOURCE_FIELD), max_source_len)
-    _, num_targets = tokenizer.encode_batch(texts(source, TARGET_FIELD), max_target_len)
+    vocab = Vocabularies.of(tokenizer)
+    _, num_sources = vocab.source.encode_batch(texts(source, SOURCE_FIELD), max_source_len)
+    _, num_targets = vocab.target.encode_batch(texts(source, TARGET_FIELD), max_target_len)
     return num_sources, num_targets
 
 
 def _tokenize_example(
     example: Mapping[str, Any],
     *,
-    tokenizer: Tokenizer,
+    tokenizer: Vocabularies,
     max_source_len: int,
     max_target_len: int,
 ) -> dict[str, np.ndarray]:
     """Tokenizes one example into ``inputs: int32[max_source_len]``, ``targets:
     int32[max_target_len]`` (ids + EOS, PAD-padded, truncated keeping EOS last)."""
-    inputs, _ = tokenizer.encode_batch([_as_str(example[SOURCE_FIELD])], max_source_len)
-    targets, _ = tokenizer.encode_batch([_as_str(example[TARGET_FIELD])], max_target_len)
+    inputs, _ = tokenizer.source.encode_batch([_as_str(example[SOURCE_FIELD])], max_source_len)
+    targets, _ = tokenizer.target.encode_batch([_as_str(example[TARGET_FIELD])], max_target_len)
     return {"inputs": inputs[0], "targets": targets[0]}
 
 
@@ -102,7 +103,7 @@ def _stack_batch(
 
 def make_dataset(
     source: Sequence[Mapping[str, Any]],
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | Vocabularies,
     *,
     batch_size: int,
     max_source_len: int,
@@ -128,7 +129,8 @@ def make_dataset(
 
     Args:
         source: random-access sequence of ``{"source": str | bytes, "target": str | bytes}``.
-        tokenizer: tokenizer with the reserved ids of :mod:`flaxformer_lite.data.tokenizer`.
+        tokenizer: tokenizer with the reserved ids of :mod:`flaxformer_lite.data.tokenizer`
+            (shared), or a :class:`Vocabularies` pair (sources and targets each their own).
         batch_size: rows per batch.
         max_source_len: columns of ``"inputs"``.
         max_target_len: columns of ``"targets"``.
@@ -175,7 +177,7 @@ def make_dataset(
     ds = ds.map(
         functools.partial(
             _tokenize_example,
-            tokenizer=tokenizer,
+            tokenizer=Vocabularies.of(tokenizer),
             max_source_len=max_source_len,
             max_target_len=max_target_len,
         )

@@ -11,10 +11,15 @@ The model code relies on these ids and never looks them up:
 
 Training is in memory and deterministic: the same texts and arguments give a byte-identical
 serialized model, so a vocabulary can be rebuilt instead of shipped.
+
+:class:`Vocabularies` pairs a source and a target tokenizer: one shared model (the
+default; ``vocab.spm`` in a workdir) or two separate ones (``vocab.source.spm`` and
+``vocab.target.spm``). Both use the reserved ids above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import tempfile
@@ -255,3 +260,106 @@ class Tokenizer:
         if array.ndim != 2:
             raise ValueError(f"decode_batch expects a 2-D array [n, length], got {array.shape}")
         return [self.decode(row) for row in array]
+
+
+SHARED_VOCAB_FILE = "vocab.spm"
+SOURCE_VOCAB_FILE = "vocab.source.spm"
+TARGET_VOCAB_FILE = "vocab.target.spm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabularies:
+    """The tokenizer of each side: the same object when the vocabulary is shared.
+
+    Source text is encoded with ``source``; targets are encoded and model output
+    decoded with ``target``. Functions that take "a tokenizer" accept either a
+    :class:`Tokenizer` (shared) or a :class:`Vocabularies` (see :meth:`of`).
+    """
+
+    source: Tokenizer
+    target: Tokenizer
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer | Vocabularies) -> Vocabularies:
+        """``tokenizer`` itself if it is a pair, else the pair sharing it."""
+        if isinstance(tokenizer, Vocabularies):
+            return tokenizer
+        return cls(tokenizer, tokenizer)
+
+    @property
+    def shared(self) -> bool:
+        return self.source is self.target or self.source == self.target
+
+    @classmethod
+    def train(
+        cls,
+        source_texts: Sequence[str],
+        target_texts: Sequence[str],
+        vocab_size: int,
+        model_type: str = "unigram",
+        *,
+        shared: bool = True,
+        target_vocab_size: int | None = None,
+    ) -> Vocabularies:
+        """One model on both sides' texts (``shared``) or one per side.
+
+        Args:
+            vocab_size: size of the shared (or the source) vocabulary.
+            target_vocab_size: size of the target vocabulary when not shared
+                (None: ``vocab_size``).
+        """
+        if shared:
+            if target_vocab_size not in (None, vocab_size):
+                raise ValueError(
+                    f"a shared vocabulary has one size, got {vocab_size} and {target_vocab_size}"
+                )
+            tok = Tokenizer.train(list(source_texts) + list(target_texts), vocab_size, model_type)
+            return cls(tok, tok)
+        return cls(
+            Tokenizer.train(source_texts, vocab_size, model_type),
+            Tokenizer.train(target_texts, target_vocab_size or vocab_size, model_type),
+        )
+
+    @staticmethod
+    def files(directory: str | os.PathLike, shared: bool) -> list[str]:
+        """The files :meth:`save` writes in ``directory``."""
+        names = [SHARED_VOCAB_FILE] if shared else [SOURCE_VOCAB_FILE, TARGET_VOCAB_FILE]
+        return [os.path.join(directory, name) for name in names]
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Writes ``vocab.spm``, or ``vocab.source.spm`` and ``vocab.target.spm``."""
+        for path, tok in zip(self.files(directory, self.shared), (self.source, self.target)):
+            tok.save(path)
+
+    @classmethod
+    def exists(cls, directory: str | os.PathLike) -> bool:
+        return any(
+            all(os.path.exists(p) for p in cls.files(directory, shared)) for shared in (True, False)
+        )
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Vocabularies:
+        """Reads what :meth:`save` wrote in ``directory``.
+
+        Raises:
+            FileNotFoundError: naming the missing file(s); a directory with both
+                a shared and separate vocabularies is refused as ambiguous.
+        """
+        shared, separate = (cls.files(directory, s) for s in (True, False))
+        have_shared = os.path.exists(shared[0])
+        have_separate = [os.path.exists(p) for p in separate]
+        if have_shared and any(have_separate):
+            raise FileNotFoundError(
+                f"{directory} holds both a shared vocabulary ({SHARED_VOCAB_FILE}) and separate "
+                f"ones ({SOURCE_VOCAB_FILE}, {TARGET_VOCAB_FILE}); keep the one the model was "
+                "trained with"
+            )
+        if have_shared:
+            tok = Tokenizer.load(shared[0])
+            return cls(tok, tok)
+        if all(have_separate):
+            return cls(Tokenizer.load(separate[0]), Tokenizer.load(separate[1]))
+        missing = shared
+        if any(have_separate):
+            missing = [p for p, ok in zip(separate, have_separate) if not ok]
+        raise FileNotFoundError(f"vocabulary file(s) missing: {', '.join(missing)}")
