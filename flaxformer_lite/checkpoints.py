@@ -181,6 +181,14 @@ class Checkpointer:
                 )
         return state, meta
 
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON item saved with the checkpoint at `step` (default: latest), without the state."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return restored["meta"]
+
     def wait(self) -> None:
         self._manager.wait_until_finished()
 

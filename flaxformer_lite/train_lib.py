@@ -438,6 +438,48 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
     return splits, tokenizer, model_cfg, saved, resumed_dir
 
 
+def data_identity(config: ml_collections.ConfigDict, train_split) -> dict[str, Any]:
+    """What decides the sequence of training batches (batch i is a function of these and i)."""
+    t, d = config.train, config.data
+    mode = d.get("batching", "fixed")
+    return {
+        "train_examples": len(train_split),
+        "batching": mode,
+        "batch_size": t.batch_size,
+        "max_tokens": d.get("max_tokens", 0) if mode == "bucket" else 0,
+        "max_source_len": d.max_source_len,
+        "max_target_len": d.max_target_len,
+        "seed": t.seed,
+    }
+
+
+def _checkpoint_meta(saved: dict, data_id: dict, next_batch: int) -> dict[str, Any]:
+    """The JSON item stored with each checkpoint: run config and the data iterator's state."""
+    return {"run_config": saved, "data": {"next_batch": next_batch, "identity": data_id}}
+
+
+def _first_batch(saved_data: dict | None, data_id: dict, step: int, log) -> int:
+    """The index of the batch to train on next, from the restored iterator state.
+
+    Batches are random access, so the iterator state is one index; it is the
+    step of the checkpoint unless that run read batches at an offset. When what
+    decides the batches changed since the checkpoint, the run goes on (e.g. a
+    fine-tuning on new data) with a warning: it no longer sees the examples an
+    uninterrupted run would have seen.
+    """
+    if saved_data is None:  # a fresh run, or a checkpoint from before iterator states
+        return step
+    before = saved_data.get("identity", {})
+    changed = [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in data_id.items() if before.get(k) != v]
+    if changed:
+        log(
+            "warning: the training data changed since the checkpoint ("
+            + "; ".join(changed)
+            + "); batches from here on differ from those of an uninterrupted run"
+        )
+    return int(saved_data["next_batch"])
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
 ) -> dict[str, float]:
@@ -468,8 +510,9 @@ def train_and_evaluate(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
     )
     ckpt = checkpoints.Checkpointer(workdir, keep=t.keep_checkpoints, save_every=t.checkpoint_every)
+    restored_meta: dict[str, Any] = {}
     if ckpt.latest_step() is not None:
-        state, _ = ckpt.restore(state)
+        state, restored_meta = ckpt.restore(state)
         log(f"resumed from step {int(state.step)} in {ckpt.directory}")
     elif resumed_dir:
         log(f"workdir {workdir} has no checkpoint yet; starting at step 0")
@@ -530,7 +573,8 @@ def train_and_evaluate(
     references = {name: texts(splits[name], "target") for name in eval_sets}
     writer = MetricWriter(workdir, tensorboard=t.tensorboard)
     start = int(state.step)
-    meta = {"run_config": saved}
+    data_id = data_identity(config, splits["train"])
+    first_batch = _first_batch(restored_meta.get("data"), data_id, start, log)
 
     def run_eval(split: str, step: int, max_batches=None):
         metrics, pairs = evaluate(
@@ -558,9 +602,8 @@ def train_and_evaluate(
         disable=not t.progress_bar or jax.process_index() != 0,
         dynamic_ncols=True,
     )
-    for step, host in zip(
-        range(start, t.num_steps), _prefetch(lambda i: train_ds[i], start, t.num_steps)
-    ):
+    batches = _prefetch(lambda i: train_ds[i], first_batch, first_batch + t.num_steps - start)
+    for step, host in zip(range(start, t.num_steps), batches):
         state, sums = p_train(state, _device_batch(host, mesh))
         sums_acc = sums if sums_acc is None else jax.tree.map(jnp.add, sums_acc, sums)
         done = step + 1
@@ -580,11 +623,13 @@ def train_and_evaluate(
         if t.eval_every and done % t.eval_every == 0 and done != t.num_steps:
             run_eval("validation", done, t.eval_max_batches or None)
             paused = True
+        meta = _checkpoint_meta(saved, data_id, first_batch + done - start)
         paused |= ckpt.save(done, state, meta)
         if paused:  # tokens/s measures training alone, not evaluation or checkpointing
             t_log = time.perf_counter()
     bar.close()
     final_step = int(state.step)
+    meta = _checkpoint_meta(saved, data_id, first_batch + final_step - start)
     ckpt.save(final_step, state, meta, force=True)
     ckpt.wait()
 

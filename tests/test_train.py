@@ -53,6 +53,24 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
         assert losses_b[step] == pytest.approx(losses_a[step], rel=1e-6)
 
 
+def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    quiet = lambda s: None  # noqa: E731
+    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=quiet)
+    ckpt = checkpoints.Checkpointer(workdir, keep=5, save_every=0)
+    data = ckpt.read_meta(10)["data"]
+    ckpt.close()
+    assert data["next_batch"] == 10
+    assert data["identity"]["train_examples"] == 160 and data["identity"]["batch_size"] == 16
+    # Resuming with batches of another size is allowed, with a warning saying what changed.
+    messages = []
+    train_lib.train_and_evaluate(
+        tiny_config(tfds_dir, num_steps=12, batch_size=32), workdir, log=messages.append
+    )
+    warnings = [m for m in messages if m.startswith("warning: the training data changed")]
+    assert len(warnings) == 1 and "batch_size: 16 -> 32" in warnings[0], messages
+
+
 def test_workdir_with_other_model_is_refused_and_kept(tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
     train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=lambda s: None)
