@@ -182,7 +182,7 @@ class Checkpointer:
         return state, meta
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
-        """The JSON item saved with the checkpoint at `step` (default: latest), without the state."""
+        """The JSON item saved with the checkpoint at `step` (default: latest), not the state."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
