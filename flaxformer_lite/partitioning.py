@@ -1,9 +1,20 @@
 """Where arrays live: the device mesh, the logical-axis rules and multi-host setup, in one place.
 
-Parameters carry logical axis names (see `config.py`); `LOGICAL_RULES` maps
-them to mesh axes. With the default rules every parameter is replicated and
-the batch is split over the `data` axis (plain data parallelism); the same
-code runs on a 1-device mesh on a laptop CPU.
+The mesh has three axes, data x fsdp x model, and every array's layout follows
+from them through one table, `LOGICAL_RULES`, that maps the logical axis names
+parameters carry (see `config.py`) to mesh axes:
+
+  data    the batch is split over it; parameters are replicated along it.
+  fsdp    the batch is split over it too, and so is the `embed` dimension of
+          every parameter and of the optimiser state (ZeRO-3 / FSDP): each
+          device stores 1/fsdp of the model, and XLA gathers a layer's weights
+          when it runs it and reduce-scatters its gradients.
+  model   tensor parallelism: heads, feed-forward units and the vocabulary are
+          split over it (Megatron style); the batch is replicated along it.
+
+With fsdp = model = 1 (the default) every parameter is replicated and this is
+plain data parallelism; the same code runs on a 1-device mesh on a laptop CPU.
+A dimension that the mesh axis does not divide is replicated along it instead.
 
 Several processes (hosts) form one job after `initialize_distributed`: the mesh
 then spans every process's devices, each process feeds only its own rows of
@@ -28,28 +39,42 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from flaxformer_lite.config import ConfigError
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+MODEL_AXIS = "model"
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, MODEL_AXIS)
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # the mesh axes a batch is split over
 
-# logical axis -> mesh axis (None: replicated).
-LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", DATA_AXIS),
+# logical axis -> mesh axis (None: replicated). The only place layouts are declared.
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
     ("length", None),
-    ("embed", None),
-    ("heads", None),
+    ("embed", FSDP_AXIS),
+    ("heads", MODEL_AXIS),
     ("kv", None),
     ("qkv", None),
-    ("mlp", None),
-    ("vocab", None),
+    ("mlp", MODEL_AXIS),
+    ("vocab", MODEL_AXIS),
 )
 
 
-def make_mesh(num_devices: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh over `num_devices` (default: all visible) devices, axis `data`.
+def make_mesh(
+    num_devices: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    fsdp: int = 1,
+    model: int = 1,
+) -> Mesh:
+    """A data x fsdp x model mesh over `num_devices` (default: all visible) devices.
 
+    `data` gets the devices that `fsdp` and `model` leave: n / (fsdp * model).
     Axes are Auto (not Explicit) so that `with_sharding_constraint` and
     jit-level shardings compose as in the rest of the code. Default devices are
     ordered by process, so that process p holds the contiguous rows
     `[p * B / P, (p + 1) * B / P)` of a global batch, which is what the data
     pipelines produce for it.
+
+    Raises:
+      ConfigError: fsdp * model does not divide the device count.
     """
     if devices is None:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -57,21 +82,61 @@ def make_mesh(num_devices: int | None = None, devices: Sequence[jax.Device] | No
     n = len(devices) if num_devices is None else num_devices
     if n < 1 or n > len(devices):
         raise ValueError(f"asked for {n} devices but {len(devices)} are visible")
-    return Mesh(np.asarray(devices[:n]), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    if fsdp < 1 or model < 1 or n % (fsdp * model):
+        raise ConfigError(
+            f"mesh.fsdp={fsdp} x mesh.model={model} must divide the {n} devices "
+            f"({jax.process_count()} process(es)); the data axis gets the rest"
+        )
+    grid = np.asarray(devices[:n]).reshape(n // (fsdp * model), fsdp, model)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def mesh_from_config(config) -> Mesh:
+    """The mesh a run config asks for (section `mesh`: fsdp, model; absent: data only)."""
+    section = config.get("mesh") or {}
+    return make_mesh(fsdp=section.get("fsdp", 1), model=section.get("model", 1))
+
+
+def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """`spec` with the mesh axes dropped from every dimension they do not divide."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        kept = []
+        for name in names:
+            size = mesh.shape[name] * int(np.prod([mesh.shape[k] for k in kept]))
+            if dim % size == 0:
+                kept.append(name)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*out)
 
 
 def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings for a tree whose leaves may be `nn.LogicallyPartitioned`.
 
-    Leaves without axis names (step counters, optimiser scalars) are replicated.
+    Leaves without axis names (step counters, optimiser scalars) are replicated,
+    and so is any dimension along a mesh axis that does not divide it (e.g. an
+    odd vocabulary size over `model`).
     """
     specs = nn.get_partition_spec(boxed_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    mesh_specs = nn.logical_to_mesh(specs, rules)
+    shapes = nn.meta.unbox(boxed_tree)
+    return jax.tree.map(
+        lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
+        mesh_specs,
+        shapes,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a batch array: leading axis split over `data`."""
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    """Sharding of a batch array: leading axis split over `data` and `fsdp`."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def batch_devices(mesh: Mesh) -> int:
+    """How many ways a batch is split: data x fsdp (`model` devices share rows)."""
+    return mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -80,12 +145,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def check_batch_size(batch_size: int, mesh: Mesh, name: str) -> None:
     """Raises ConfigError unless every device of the mesh gets the same number of rows."""
-    n = mesh.devices.size
+    n = batch_devices(mesh)
     if batch_size % n:
+        shape = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
         raise ConfigError(
-            f"{name}={batch_size} must be divisible by the {n} devices of the mesh "
-            f"({jax.process_count()} process(es) x {jax.local_device_count()} local devices); "
-            f"use e.g. {n * -(-batch_size // n)}"
+            f"{name}={batch_size} must be divisible by the {n} batch shards of the mesh "
+            f"({shape}; {jax.process_count()} process(es) x {jax.local_device_count()} local "
+            f"devices); use e.g. {n * -(-batch_size // n)}"
         )
 
 

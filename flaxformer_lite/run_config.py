@@ -48,6 +48,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 f"run config has no '{section}' section; start from configs/default.py"
             )
     model_config(config)  # field names, types and consistency
+    for name, value in (config.get("mesh") or {}).items():
+        if name not in ("fsdp", "model"):
+            raise ConfigError(f"mesh.{name} is not a mesh field; the fields are fsdp and model")
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"mesh.{name} must be a positive integer, got {value!r}")
     t, d = config.train, config.data
     for name in ("batch_size", "eval_batch_size", "num_steps", "log_every"):
         value = t[name]

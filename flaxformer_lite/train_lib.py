@@ -496,7 +496,7 @@ def train_and_evaluate(
         log = lambda s: None  # noqa: E731 (one log per job)
     run_config_lib.validate(config)
     t, d = config.train, config.data
-    mesh = partitioning.make_mesh()
+    mesh = partitioning.mesh_from_config(config)
     if not (d.get("batching", "fixed") == "bucket" and d.get("max_tokens", 0)):
         partitioning.check_batch_size(t.batch_size, mesh, "train.batch_size")
     partitioning.check_batch_size(t.eval_batch_size, mesh, "train.eval_batch_size")

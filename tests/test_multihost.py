@@ -214,8 +214,8 @@ def test_bad_multihost_setups_fail_with_one_line(tmp_path):
     result = _train_cli(tmp_path, "--config.train.batch_size=6", devices=4)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip() == (
-        "error: train.batch_size=6 must be divisible by the 4 devices of the mesh "
-        "(1 process(es) x 4 local devices); use e.g. 8"
+        "error: train.batch_size=6 must be divisible by the 4 batch shards of the mesh "
+        "(data=4 x fsdp=1 x model=1; 1 process(es) x 4 local devices); use e.g. 8"
     )
     # No process 0 listens: a clear error after the initialization timeout, not a JAX abort.
     code = (

@@ -1,10 +1,12 @@
-"""Data-parallel training on several devices equals training on one (same code path)."""
+"""Training on several devices equals training on one (same code path): data parallel,
+and with parameters sharded over fsdp and model axes."""
 
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import ROOT, assert_params_close
 
 SCRIPT = """
@@ -14,10 +16,18 @@ import numpy as np
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {root!r} + "/tests")
 from conftest import tiny_config
-from flaxformer_lite import train_lib
+from flaxformer_lite import partitioning, train_lib
 assert jax.device_count() == {devices}, jax.devices()
 config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8)
+config.mesh.fsdp, config.mesh.model = {fsdp}, {model}
 train_lib.train_and_evaluate(config, {workdir!r}, log=lambda s: None)
+# The layout training used: a feed-forward kernel [D, F] is split as declared.
+model, _, _, _ = train_lib.restore_trained({workdir!r})
+abstract = train_lib.abstract_state(model, train_lib.make_optimizer(config, model.config)[1],
+                                    0, 10, 16)
+shardings = partitioning.logical_shardings(abstract, partitioning.mesh_from_config(config))
+kernel = shardings.params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"]
+assert kernel.shard_shape((32, 64)) == (32 // {fsdp}, 64 // {model}), kernel
 _, state, _, _ = train_lib.restore_trained({workdir!r})
 leaves = {{jax.tree_util.keystr(p): np.asarray(x) for p, x in
           jax.tree_util.tree_flatten_with_path(state.params)[0]}}
@@ -25,15 +35,22 @@ np.savez({out!r}, **leaves)
 """
 
 
-def _train(devices: int, tfds_dir: str, tmp_path) -> dict:
-    out = str(tmp_path / f"params_{devices}.npz")
+def _train(devices: int, tfds_dir: str, tmp_path, fsdp: int = 1, model: int = 1) -> dict:
+    name = f"{devices}_{fsdp}_{model}"
+    out = str(tmp_path / f"params_{name}.npz")
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     )
     code = SCRIPT.format(
-        root=ROOT, devices=devices, tfds=tfds_dir, workdir=str(tmp_path / f"run_{devices}"), out=out
+        root=ROOT,
+        devices=devices,
+        tfds=tfds_dir,
+        workdir=str(tmp_path / f"run_{name}"),
+        out=out,
+        fsdp=fsdp,
+        model=model,
     )
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
@@ -42,7 +59,15 @@ def _train(devices: int, tfds_dir: str, tmp_path) -> dict:
     return dict(np.load(out))
 
 
-def test_four_device_data_parallel_equals_one_device(tfds_dir, tmp_path):
-    one = _train(1, tfds_dir, tmp_path)
-    four = _train(4, tfds_dir, tmp_path)
-    assert_params_close(four, one)
+@pytest.fixture(scope="module")
+def one_device(tfds_dir, tmp_path_factory):
+    return _train(1, tfds_dir, tmp_path_factory.mktemp("one"))
+
+
+def test_four_device_data_parallel_equals_one_device(one_device, tfds_dir, tmp_path):
+    assert_params_close(_train(4, tfds_dir, tmp_path), one_device)
+
+
+def test_fsdp_and_model_sharding_equal_one_device(one_device, tfds_dir, tmp_path):
+    """data=1 x fsdp=2 x model=2: every parameter and its Adam moments split 2 or 4 ways."""
+    assert_params_close(_train(4, tfds_dir, tmp_path, fsdp=2, model=2), one_device)
