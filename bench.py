@@ -4,6 +4,7 @@ python bench.py                          # training and decoding, base model, vo
 python bench.py --mode train --batch 16 --source_len 64 --target_len 64
 python bench.py --mode decode --json bench.json
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
+python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 """
 
 import json
@@ -32,6 +33,16 @@ flags.DEFINE_bool("remat", False, "With --scan_layers: recompute activations in 
 flags.DEFINE_bool("uncached", True, "Also time greedy search without the KV cache.")
 flags.DEFINE_string("dtype", "float32", "Compute dtype (parameters stay float32).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
+flags.DEFINE_enum(
+    "compare",
+    None,
+    ["torch", "torch_compile"],
+    "Training: also time a torch.nn.Transformer of the same sizes on the same batch, "
+    "alternating with ours (needs PyTorch: pip install -e '.[torch]').",
+)
+flags.DEFINE_integer(
+    "torch_threads", 0, "With --compare: torch's intra-op threads; 0 = every core (os.cpu_count())."
+)
 FLAGS = flags.FLAGS
 
 
@@ -48,6 +59,8 @@ def _config():
         dropout_rate=0.1,
         max_len=1024,
         dtype=FLAGS.dtype,
+        scan_layers=FLAGS.scan_layers,
+        remat=FLAGS.remat,
     )
 
 
@@ -103,10 +116,25 @@ def _sweep(results):
         )
 
 
+def _check_compare():
+    """Fails early, in one line, when `--compare` cannot run."""
+    if FLAGS.mode not in ("all", "train"):
+        cli.fail(f"--compare times training; use it with --mode train or all, not {FLAGS.mode}")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        cli.fail(
+            f"--compare {FLAGS.compare} needs PyTorch, which is not installed; "
+            'pip install -e ".[torch]"'
+        )
+
+
 @cli.friendly_errors
 def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.compare:
+        _check_compare()
     import jax
 
     from flaxformer_lite import benchmark
@@ -118,21 +146,29 @@ def main(argv):
         f"devices: {jax.devices()}; model {FLAGS.num_layers}+{FLAGS.num_layers} layers, "
         f"d_model {FLAGS.d_model}, d_ff {FLAGS.d_ff}, {FLAGS.num_heads} heads, vocab "
         f"{FLAGS.vocab_size}, {FLAGS.dtype}"
+        + (", layers scanned" if FLAGS.scan_layers else "")
+        + (", rematerialised" if FLAGS.remat else "")
     )
-    results = {}
+    results = {"config": config.to_dict()}
     if FLAGS.mode in ("all", "train"):
         log(
             f"training: batch {FLAGS.batch} x {FLAGS.source_len} source x {FLAGS.target_len} "
             "target tokens, Adam, library train step"
         )
-        results["train"] = benchmark.train_benchmark(
-            config,
-            batch=FLAGS.batch,
-            source_len=FLAGS.source_len,
-            target_len=FLAGS.target_len,
-            steps=FLAGS.repeats,
-            log=log,
-        )
+        shapes = dict(batch=FLAGS.batch, source_len=FLAGS.source_len, target_len=FLAGS.target_len)
+        if FLAGS.compare:
+            results["train"] = benchmark.compare_train_benchmark(
+                config,
+                baseline=FLAGS.compare,
+                repeats=FLAGS.repeats,
+                threads=FLAGS.torch_threads or None,
+                log=log,
+                **shapes,
+            )
+        else:
+            results["train"] = benchmark.train_benchmark(
+                config, steps=FLAGS.repeats, log=log, **shapes
+            )
     if FLAGS.mode in ("all", "decode"):
         log(
             f"decoding: batch {FLAGS.batch}, source {FLAGS.source_len}, {FLAGS.new_tokens} new "

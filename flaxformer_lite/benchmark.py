@@ -1,5 +1,9 @@
 """Training and decoding benchmarks: what `bench.py` measures, importable for tests.
 
+`compare_train_benchmark` also times a PyTorch `nn.Transformer` of the same
+sizes on the same batch (`torch_baseline.py`; PyTorch is optional and only
+imported there).
+
 All timings are wall-clock medians of repeated calls after a warm-up call,
 each ended by `block_until_ready`. Parameters are random (speed does not
 depend on their values), and EOS is forbidden so every search runs all its
@@ -184,20 +188,29 @@ def decode_benchmark(
     return results
 
 
-def train_benchmark(
-    config: TransformerConfig,
-    *,
-    batch: int = 16,
-    source_len: int = 64,
-    target_len: int = 64,
-    steps: int = 5,
-    peak_flops: float | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, float]:
-    """Trace/lower/compile seconds, median step time, tokens/s, FLOP/s and MFU of training.
+def _random_batch(
+    config: TransformerConfig, batch: int, source_len: int, target_len: int
+) -> dict[str, np.ndarray]:
+    """Random tokens without padding: "inputs" int32[B, S], "targets" int32[B, T]."""
+    rng = np.random.default_rng(0)
+    return {
+        "inputs": rng.integers(4, config.vocab_size, (batch, source_len)).astype(np.int32),
+        "targets": rng.integers(4, config.output_vocab_size, (batch, target_len)).astype(np.int32),
+    }
 
-    The step is the library's own (`train_lib.train_step`, Adam, label
-    smoothing 0.1, state donated), on random tokens without padding.
+
+def _library_train_step(
+    config: TransformerConfig, arrays: dict[str, np.ndarray]
+) -> tuple[Callable[[], dict[str, jax.Array]], dict[str, float]]:
+    """Our jitted train step on one fixed batch.
+
+    The step is the library's own (`train_lib.train_step`, Adam(0.9, 0.98,
+    1e-9), label smoothing 0.1, state donated).
+
+    Args:
+      arrays: `_random_batch` output.
+    Returns:
+      (run: one step -> its metric sums, {trace_s, lower_s, compile_s, params}).
     """
     import optax
 
@@ -206,19 +219,11 @@ def train_benchmark(
     model = Transformer(config)
     tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
     mesh = partitioning.make_mesh()
+    source_len, target_len = arrays["inputs"].shape[1], arrays["targets"].shape[1]
     state, shardings = train_lib.create_state(
         model, tx, mesh, seed=0, source_len=source_len, target_len=target_len
     )
-    rng = np.random.default_rng(0)
-    batch_arrays = partitioning.put_batch(
-        {
-            "inputs": rng.integers(4, config.vocab_size, (batch, source_len)).astype(np.int32),
-            "targets": rng.integers(4, config.output_vocab_size, (batch, target_len)).astype(
-                np.int32
-            ),
-        },
-        mesh,
-    )
+    batch_arrays = partitioning.put_batch(arrays, mesh)
     step = jax.jit(
         functools.partial(
             train_lib.train_step, model=model, tx=tx, label_smoothing=0.1, bos_id=BOS
@@ -234,7 +239,12 @@ def train_benchmark(
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()
-    results = {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2}
+    results = {
+        "trace_s": t1 - t0,
+        "lower_s": t2 - t1,
+        "compile_s": t3 - t2,
+        "params": float(sum(x.size for x in jax.tree.leaves(state.params))),
+    }
 
     holder = {"state": state}
 
@@ -242,17 +252,45 @@ def train_benchmark(
         holder["state"], sums = compiled(holder["state"], batch_arrays)
         return sums
 
+    return run, results
+
+
+def _throughput(
+    seconds: float, flops: float, peak: float, batch: int, source_len: int, target_len: int
+) -> dict[str, float]:
+    """tokens/s (source + target), target tokens/s, FLOP/s and MFU of a step time."""
+    return {
+        "tokens_per_s": batch * (source_len + target_len) / seconds,
+        "target_tokens_per_s": batch * target_len / seconds,
+        "flops_per_s": flops / seconds,
+        "mfu": flops / seconds / peak,
+    }
+
+
+def train_benchmark(
+    config: TransformerConfig,
+    *,
+    batch: int = 16,
+    source_len: int = 64,
+    target_len: int = 64,
+    steps: int = 5,
+    peak_flops: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Trace/lower/compile seconds, median step time, tokens/s, FLOP/s and MFU of training.
+
+    The step is the library's own (`train_lib.train_step`, Adam, label
+    smoothing 0.1, state donated), on random tokens without padding.
+    """
+    run, results = _library_train_step(config, _random_batch(config, batch, source_len, target_len))
     seconds, _ = _timed(run, steps)
     flops = train_flops_per_step(config, batch, source_len, target_len)
     peak = peak_flops or matmul_peak()
     results.update(
         step_s=seconds,
-        tokens_per_s=batch * (source_len + target_len) / seconds,
-        target_tokens_per_s=batch * target_len / seconds,
         flops_per_step=flops,
-        flops_per_s=flops / seconds,
         matmul_peak_flops_per_s=peak,
-        mfu=flops / seconds / peak,
+        **_throughput(seconds, flops, peak, batch, source_len, target_len),
     )
     log(
         f"train step: {seconds:.3f} s median of {steps}  "
@@ -263,5 +301,119 @@ def train_benchmark(
     log(
         f"trace {results['trace_s']:.2f} s, lower {results['lower_s']:.2f} s, "
         f"compile {results['compile_s']:.2f} s"
+    )
+    return results
+
+
+BASELINES = ("torch", "torch_compile")
+
+
+def compare_train_benchmark(
+    config: TransformerConfig,
+    *,
+    baseline: str = "torch",
+    batch: int = 16,
+    source_len: int = 64,
+    target_len: int = 64,
+    repeats: int = 5,
+    warmup: int = 2,
+    peak_flops: float | None = None,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Our train step against a PyTorch `nn.Transformer` of the same sizes, same batch.
+
+    The baseline is `torch_baseline.TrainStep` (eager, or `torch.compile`d for
+    "torch_compile") on the same numpy int arrays, on the GPU when JAX's
+    default backend is one, else on the CPU with torch using every core. Both
+    steps warm up, then `repeats` rounds each time one step of ours followed
+    by one of torch's, so that other load on the machine and clock changes hit
+    both alike. Model FLOPs (`train_flops_per_step`) and the matmul peak are
+    the same for both.
+
+    Returns:
+      `train_benchmark`'s figures for ours, the same prefixed `torch_` for the
+      baseline, `torch_over_ours` = torch_step_s / step_s (> 1: ours is
+      faster), per-round samples and losses, and the torch version/threads/device.
+    Raises:
+      ImportError (saying how to install it) when PyTorch is missing;
+      ConfigError for a config `nn.Transformer` cannot express.
+    """
+    from flaxformer_lite import torch_baseline  # imports torch; says how to install it
+
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {baseline!r}")
+    torch_baseline.check_config(config)
+    arrays = _random_batch(config, batch, source_len, target_len)
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    results: dict[str, Any] = dict(torch_baseline.setup(threads, device), baseline=baseline)
+    run, compile_times = _library_train_step(config, arrays)
+    results.update(compile_times)
+    theirs = torch_baseline.TrainStep(
+        config, label_smoothing=0.1, bos_id=BOS, device=device, compile=baseline == "torch_compile"
+    )
+    torch_batch = theirs.to_device(arrays)
+    results["torch_params"] = float(torch_baseline.num_params(theirs.model))
+    results["torch_fused_adam"] = theirs.fused_adam
+
+    def mean_loss(sums) -> float:
+        return float(sums["loss"]) / max(float(sums["tokens"]), 1.0)
+
+    t0 = time.perf_counter()
+    torch_losses = [theirs(torch_batch) for _ in range(warmup)]
+    results["torch_warmup_s"] = time.perf_counter() - t0
+    losses = [mean_loss(jax.block_until_ready(run())) for _ in range(warmup)]
+    ours_s, torch_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sums = jax.block_until_ready(run())
+        t1 = time.perf_counter()
+        torch_losses.append(theirs(torch_batch))  # `.item()` waits for the device
+        t2 = time.perf_counter()
+        ours_s.append(t1 - t0)
+        torch_s.append(t2 - t1)
+        losses.append(mean_loss(sums))
+
+    flops = train_flops_per_step(config, batch, source_len, target_len)
+    peak = peak_flops or matmul_peak()
+    seconds, torch_seconds = statistics.median(ours_s), statistics.median(torch_s)
+    results.update(
+        step_s=seconds,
+        flops_per_step=flops,
+        matmul_peak_flops_per_s=peak,
+        **_throughput(seconds, flops, peak, batch, source_len, target_len),
+        torch_step_s=torch_seconds,
+        **{
+            f"torch_{k}": v
+            for k, v in _throughput(
+                torch_seconds, flops, peak, batch, source_len, target_len
+            ).items()
+        },
+        torch_over_ours=torch_seconds / seconds,
+        step_samples_s=ours_s,
+        torch_step_samples_s=torch_s,
+        losses=losses,
+        torch_losses=torch_losses,
+    )
+    name = {"torch": "torch eager", "torch_compile": "torch.compile"}[baseline]
+    log(f"{'':16}{'step median':>12}{'tokens/s':>10}{'GFLOP/s':>9}{'MFU':>7}{'params':>9}")
+    for label, prefix in (("flaxformer_lite", ""), (name, "torch_")):
+        r = {
+            k: results[prefix + k]
+            for k in ("step_s", "tokens_per_s", "flops_per_s", "mfu", "params")
+        }
+        log(
+            f"{label:16}{r['step_s']:10.4f} s{r['tokens_per_s']:10.0f}{r['flops_per_s'] / 1e9:9.1f}"
+            f"{r['mfu']:7.1%}{r['params'] / 1e6:8.2f}M"
+        )
+    log(
+        f"torch_step / our_step = {results['torch_over_ours']:.2f} (> 1: ours is faster); "
+        f"{repeats} alternating rounds after {warmup} warm-up steps each"
+    )
+    log(
+        f"{flops / 1e9:.1f} GFLOP/step, matmul peak {peak / 1e9:.1f} GFLOP/s; torch "
+        f"{results['torch_version']} on {device}, {results['torch_threads']} threads; ours: "
+        f"trace {results['trace_s']:.2f} s, lower {results['lower_s']:.2f} s, compile "
+        f"{results['compile_s']:.2f} s; torch warm-up {results['torch_warmup_s']:.2f} s"
     )
     return results

@@ -94,3 +94,29 @@ def test_train_benchmark_reports_mfu():
     assert r["flops_per_step"] == benchmark.train_flops_per_step(TINY, 2, 6, 5)
     assert r["mfu"] == pytest.approx(r["flops_per_s"] / 1e9)
     assert r["compile_s"] > 0 and r["step_s"] > 0
+
+
+def test_cli_flags_reach_the_benchmarked_model():
+    """bench.py's model flags (here --scan_layers, --remat) build the model it times."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    args = "--mode train --repeats 1 --batch 2 --source_len 8 --target_len 8 --vocab_size 40"
+    args += " --d_model 16 --d_ff 24 --num_heads 2 --num_layers 2 --scan_layers --remat"
+    result = subprocess.run(
+        [sys.executable, "bench.py", *args.split(), "--json=/dev/stdout"],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout[result.stdout.index("{") :])
+    assert out["config"]["scan_layers"] and out["config"]["remat"]
+    assert out["config"]["num_encoder_layers"] == 2 and out["train"]["step_s"] > 0
+    assert "layers scanned, rematerialised" in result.stderr
