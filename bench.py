@@ -5,6 +5,7 @@ python bench.py --mode train --batch 16 --source_len 64 --target_len 64
 python bench.py --mode decode --json bench.json
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
+python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
 """
 
 import json
@@ -13,6 +14,7 @@ import subprocess
 import sys
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from flaxformer_lite import cli
 
@@ -43,25 +45,51 @@ flags.DEFINE_enum(
 flags.DEFINE_integer(
     "torch_threads", 0, "With --compare: torch's intra-op threads; 0 = every core (os.cpu_count())."
 )
+config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "A run config (e.g. configs/wmt14_ende_big.py) whose model to time; the size flags above, "
+    "when given, and --config.model.x=... override it. Without it: the size flags alone.",
+    lock_config=True,
+)
 FLAGS = flags.FLAGS
+
+# Size flag -> the model fields it sets.
+_SIZE_FLAGS = {
+    "vocab_size": ("vocab_size",),
+    "d_model": ("d_model",),
+    "d_ff": ("d_ff",),
+    "num_heads": ("num_heads",),
+    "num_layers": ("num_encoder_layers", "num_decoder_layers"),
+    "dtype": ("dtype",),
+    "scan_layers": ("scan_layers",),
+    "remat": ("remat",),
+}
 
 
 def _config():
+    """The model to time: --config's (its data.vocab_size as the vocabulary), or the flags'."""
+    from flaxformer_lite import run_config
     from flaxformer_lite.config import TransformerConfig
 
-    return TransformerConfig(
-        vocab_size=FLAGS.vocab_size,
-        d_model=FLAGS.d_model,
-        d_ff=FLAGS.d_ff,
-        num_heads=FLAGS.num_heads,
-        num_encoder_layers=FLAGS.num_layers,
-        num_decoder_layers=FLAGS.num_layers,
-        dropout_rate=0.1,
-        max_len=1024,
-        dtype=FLAGS.dtype,
-        scan_layers=FLAGS.scan_layers,
-        remat=FLAGS.remat,
-    )
+    if FLAGS.config is None:
+        values = {
+            field: FLAGS[flag].value for flag, fields in _SIZE_FLAGS.items() for field in fields
+        }
+        return TransformerConfig(dropout_rate=0.1, max_len=1024, **values)
+    run_config.validate(FLAGS.config)
+    data = FLAGS.config.data
+    target = data.get("target_vocab_size", 0) if not data.get("shared_vocab", True) else 0
+    config = run_config.model_config(FLAGS.config, data.vocab_size, target or None)
+    given = {
+        field: FLAGS[flag].value
+        for flag, fields in _SIZE_FLAGS.items()
+        if FLAGS[flag].present
+        for field in fields
+    }
+    if "vocab_size" in given and config.target_vocab_size is None:
+        given["target_vocab_size"] = None
+    return config.replace(max_len=max(config.max_len, 1024), **given)
 
 
 def _sweep(results):
@@ -143,11 +171,11 @@ def main(argv):
     to_stdout = FLAGS.json == "/dev/stdout"
     log = (lambda s: print(s, file=sys.stderr)) if to_stdout else print
     log(
-        f"devices: {jax.devices()}; model {FLAGS.num_layers}+{FLAGS.num_layers} layers, "
-        f"d_model {FLAGS.d_model}, d_ff {FLAGS.d_ff}, {FLAGS.num_heads} heads, vocab "
-        f"{FLAGS.vocab_size}, {FLAGS.dtype}"
-        + (", layers scanned" if FLAGS.scan_layers else "")
-        + (", rematerialised" if FLAGS.remat else "")
+        f"devices: {jax.devices()}; model {config.num_encoder_layers}+"
+        f"{config.num_decoder_layers} layers, d_model {config.d_model}, d_ff {config.d_ff}, "
+        f"{config.num_heads} heads, vocab {config.vocab_size}, {config.dtype}"
+        + (", layers scanned" if config.scan_layers else "")
+        + (", rematerialised" if config.remat else "")
     )
     results = {"config": config.to_dict()}
     if FLAGS.mode in ("all", "train"):
@@ -193,4 +221,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if any(a.startswith(("--config=", "--config.")) or a == "--config" for a in sys.argv[1:]):
+        cli.check_config_overrides(sys.argv[1:], "")  # one-line errors for bad paths and keys
     app.run(main, flags_parser=cli.parse_flags)

@@ -97,7 +97,7 @@ def test_train_benchmark_reports_mfu():
 
 
 def test_cli_flags_reach_the_benchmarked_model():
-    """bench.py's model flags (here --scan_layers, --remat) build the model it times."""
+    """bench.py times --config's model, with the size flags given overriding it."""
     import json
     import os
     import subprocess
@@ -105,8 +105,8 @@ def test_cli_flags_reach_the_benchmarked_model():
 
     from conftest import ROOT
 
-    args = "--mode train --repeats 1 --batch 2 --source_len 8 --target_len 8 --vocab_size 40"
-    args += " --d_model 16 --d_ff 24 --num_heads 2 --num_layers 2 --scan_layers --remat"
+    args = "--mode train --repeats 1 --batch 2 --source_len 8 --target_len 8"
+    args += " --config configs/tiny.py --config.model.d_ff=48 --num_layers 2 --scan_layers --remat"
     result = subprocess.run(
         [sys.executable, "bench.py", *args.split(), "--json=/dev/stdout"],
         cwd=ROOT,
@@ -117,6 +117,8 @@ def test_cli_flags_reach_the_benchmarked_model():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout[result.stdout.index("{") :])
-    assert out["config"]["scan_layers"] and out["config"]["remat"]
-    assert out["config"]["num_encoder_layers"] == 2 and out["train"]["step_s"] > 0
+    model = out["config"]
+    assert model["scan_layers"] and model["remat"] and model["num_encoder_layers"] == 2
+    assert (model["d_model"], model["d_ff"], model["vocab_size"]) == (32, 48, 64)  # tiny's
+    assert out["train"]["step_s"] > 0
     assert "layers scanned, rematerialised" in result.stderr
