@@ -41,8 +41,12 @@ def cross_entropy(
     weights = (labels != PAD_ID).astype(jnp.float32)
     nll = -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
     if label_smoothing > 0.0:
-        q = smoothed_targets(labels, logits.shape[-1], label_smoothing)
-        smoothed = -jnp.sum(q * log_probs, axis=-1)
+        # -sum_v q_v log p_v with q from `smoothed_targets`, without building q [B, T, V]:
+        # low * (sum of all log-probs) + (confidence - low) * (the gold one).
+        vocab_size = logits.shape[-1]
+        low = label_smoothing / (vocab_size - 1)
+        confidence = 1.0 - label_smoothing
+        smoothed = (confidence - low) * nll - low * jnp.sum(log_probs, axis=-1)
     else:
         smoothed = nll
     return smoothed * weights, nll * weights

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -22,6 +23,16 @@ def test_label_smoothed_loss_equals_hand_computation():
     assert float(smoothed[0, 0]) == pytest.approx(-(q * log_p).sum(), rel=1e-6)
     assert float(nll[0, 0]) == pytest.approx(-log_p[2], rel=1e-6)
     assert float(smoothed[0, 1]) == 0.0 and float(nll[0, 1]) == 0.0
+
+
+def test_smoothed_loss_equals_the_explicit_target_distribution():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 7, 50)) * 3.0, jnp.float32)
+    labels = jnp.asarray(rng.integers(1, 50, size=(3, 7)))
+    q = losses.smoothed_targets(labels, 50, 0.2)  # [B, T, V]
+    want = -jnp.sum(q * jax.nn.log_softmax(logits), axis=-1)
+    smoothed, _ = losses.cross_entropy(logits, labels, 0.2)
+    np.testing.assert_allclose(smoothed, want, rtol=1e-5)
 
 
 def test_no_smoothing_is_plain_cross_entropy():
