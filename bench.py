@@ -78,9 +78,7 @@ def _config():
         }
         return TransformerConfig(dropout_rate=0.1, max_len=1024, **values)
     run_config.validate(FLAGS.config)
-    data = FLAGS.config.data
-    target = data.get("target_vocab_size", 0) if not data.get("shared_vocab", True) else 0
-    config = run_config.model_config(FLAGS.config, data.vocab_size, target or None)
+    config = run_config.planned_model_config(FLAGS.config)
     given = {
         field: FLAGS[flag].value
         for flag, fields in _SIZE_FLAGS.items()

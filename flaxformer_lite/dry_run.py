@@ -12,9 +12,12 @@ from flaxformer_lite.model import Transformer
 
 
 def abstract_params(config: ml_collections.ConfigDict):
-    """Parameter shapes (boxed with logical axes) of a run config's model, no allocation."""
+    """Parameter shapes (boxed with logical axes) of a run config's model, no allocation.
+
+    The vocabulary sizes are those of `data` (what the tokenizer will be asked for).
+    """
     run_config_lib.validate(config)
-    model = Transformer(run_config_lib.model_config(config))
+    model = Transformer(run_config_lib.planned_model_config(config))
     src = jnp.ones((1, 8), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), src, src))["params"]
 

@@ -40,6 +40,14 @@ def model_config(
     return from_mapping(values)
 
 
+def planned_model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
+    """The model a run will build before its vocabularies exist: the vocabulary sizes are
+    the ones asked for in `data` (SentencePiece may return fewer pieces for small data)."""
+    d = config.data
+    target = d.get("target_vocab_size", 0) if not d.get("shared_vocab", True) else 0
+    return model_config(config, d.vocab_size, target or None)
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks what can be checked before any data is read. Raises ConfigError."""
     for section in ("model", "data", "optim", "train"):

@@ -4,7 +4,7 @@ import pytest
 from conftest import ROOT  # noqa: F401  (puts configs/ on the path)
 
 from configs import default, wmt14_ende_base, wmt14_ende_big
-from flaxformer_lite import dry_run
+from flaxformer_lite import dry_run, run_config
 
 
 def analytic_count(m) -> int:
@@ -51,7 +51,12 @@ def test_paper_configs(module, expected, capsys):
     [
         {},
         {"norm": "pre", "positions": "learned"},
-        {"share_embeddings": False, "target_vocab_size": 300, "tie_output_embedding": False},
+        {
+            "share_embeddings": False,
+            "tie_output_embedding": False,
+            "data.shared_vocab": False,
+            "data.target_vocab_size": 300,
+        },
         {"share_embeddings": False, "tie_output_embedding": True},
         {"d_kv": 24, "num_heads": 6},
     ],
@@ -59,7 +64,10 @@ def test_paper_configs(module, expected, capsys):
 def test_variants(changes):
     config = default.get_config()
     for k, v in changes.items():
-        config.model[k] = v
+        section, _, name = k.rpartition(".")
+        config[section or "model"][name] = v
     params = dry_run.abstract_params(config)
     total = sum(row[2] for row in dry_run.parameter_table(params))
-    assert total == analytic_count(config.model)
+    planned = run_config.planned_model_config(config)
+    assert total == analytic_count(planned)
+    assert planned.output_vocab_size == (config.data.target_vocab_size or 256)
