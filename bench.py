@@ -90,6 +90,26 @@ def _config():
     return config.replace(max_len=max(config.max_len, 1024), **given)
 
 
+def _model_args() -> list[str]:
+    """The flags of this run that define the model, to pass to a child bench.py."""
+    args = []
+    for name in _SIZE_FLAGS:
+        flag = FLAGS[name]
+        if not (flag.present or FLAGS.config is None):
+            continue
+        if isinstance(flag.value, bool):
+            args.append(f"--{name}" if flag.value else f"--no{name}")
+        else:
+            args.append(f"--{name}={flag.value}")
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        if arg.startswith(("--config=", "--config.")):
+            args.append(arg)
+        elif arg == "--config" and i + 1 < len(argv):
+            args.append(f"--config={argv[i + 1]}")
+    return args
+
+
 def _sweep(results):
     from flaxformer_lite import benchmark
 
@@ -125,7 +145,7 @@ def _sweep(results):
                 "--repeats=3",
                 "--json=/dev/stdout",
                 f"--batch={FLAGS.batch}",
-                f"--vocab_size={FLAGS.vocab_size}",
+                *_model_args(),
             ],
             env=env,
             capture_output=True,
