@@ -19,6 +19,12 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "Training workdir written by train.py.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
+    flags.DEFINE_integer(
+        "average",
+        1,
+        "Decode with the mean parameters of the last N checkpoints up to --step.",
+        lower_bound=1,
+    )
     flags.DEFINE_string("input", None, "Input text, one source per line (default: stdin).")
     flags.DEFINE_string("output", None, "Output file, written atomically (default: stdout).")
     flags.DEFINE_integer("beam_size", 4, "Beams; 1 with --temperature 0 is greedy.", lower_bound=1)
@@ -131,7 +137,9 @@ def main(argv):
         for warning in input_warnings(num_invalid, sources, max_source_len):
             log(warning)
 
-        model, state, _, _ = train_lib.restore_trained(FLAGS.workdir, FLAGS.step)
+        model, state, _, _ = train_lib.restore_trained(
+            FLAGS.workdir, FLAGS.step, average=FLAGS.average
+        )
         result = decode_lib.decode_lines(
             model,
             state.params,

@@ -278,12 +278,18 @@ def make_optimizer(config: ml_collections.ConfigDict, model_cfg):
     return schedule, tx
 
 
-def restore_trained(workdir: str, step: int | None = None):
+def restore_trained(workdir: str, step: int | None = None, average: int = 1):
     """Loads a training workdir: (model, state, vocabularies, run config dict).
 
+    Args:
+      step: the checkpoint to load (default: the latest).
+      average: > 1: the state of `step` with its parameters replaced by the
+        mean parameters of the last `average` checkpoints up to `step`
+        (checkpoint averaging, as fairseq's average_checkpoints.py; it
+        usually adds a little BLEU at no training cost).
     Raises:
       WorkdirError: not a training workdir.
-      FileNotFoundError: it has no (complete) checkpoint.
+      FileNotFoundError: it has no (complete) checkpoint, or fewer than `average`.
     """
     saved = checkpoints.load_run_config(workdir)
     config = ml_collections.ConfigDict(saved)
@@ -303,9 +309,27 @@ def restore_trained(workdir: str, step: int | None = None):
     ckpt = checkpoints.Checkpointer(workdir, keep=1 << 30, save_every=0)
     try:
         state, _ = ckpt.restore(target, step)
+        if average > 1:
+            state = state.replace(params=_average_params(ckpt, target, int(state.step), average))
     finally:
         ckpt.close()
     return model, state, tokenizer, saved
+
+
+def _average_params(ckpt: checkpoints.Checkpointer, target, step: int, count: int):
+    """Mean parameters of the last `count` checkpoints up to `step` (float32 sums)."""
+    steps = [s for s in ckpt.all_steps() if s <= step][-count:]
+    if len(steps) < count:
+        raise FileNotFoundError(
+            f"averaging {count} checkpoints needs {count} up to step {step}, but "
+            f"{ckpt.directory} has {len(steps)}: {', '.join(map(str, steps))}"
+        )
+    total = None
+    for s in steps:
+        params = ckpt.restore(target, s)[0].params
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+        total = params if total is None else jax.tree.map(jnp.add, total, params)
+    return jax.tree.map(lambda t, x: (t / count).astype(x.dtype), total, target.params)
 
 
 def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer, log):
@@ -404,8 +428,9 @@ def _print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
         batch = dataset[i]
         sources.extend(source_vocab.decode_batch(batch["inputs"][batch["valid"]]))
     rows = list(zip(sources, pairs))
-    errors = [r for r in rows if r[1][0] != r[1][1]]
-    log(f"held-out test examples ({len(errors)} of {len(rows)} wrong), source => prediction:")
+    errors = [r for r in rows[count:] if r[1][0] != r[1][1]]  # beyond the rows shown first
+    wrong = sum(hyp != ref for _, (hyp, ref) in rows)
+    log(f"held-out test examples ({wrong} of {len(rows)} wrong), source => prediction:")
     for src, (hyp, ref) in rows[:count] + errors[:count]:
         log(
             f"  {'ok ' if hyp == ref else 'ERR'} {src} => {hyp}"

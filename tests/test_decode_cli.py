@@ -161,6 +161,28 @@ def test_order_preserved_and_compilations_bounded(loaded):
     assert together.texts == [r.texts[0] for r in alone]
 
 
+def test_checkpoint_averaging_is_the_mean_of_the_checkpoints(workdir):
+    import jax
+    import numpy as np
+
+    from flaxformer_lite import checkpoints, train_lib
+
+    ckpt = checkpoints.Checkpointer(workdir, keep=100, save_every=0)
+    steps = ckpt.all_steps()[-3:]
+    ckpt.close()
+    states = [train_lib.restore_trained(workdir, s)[1] for s in steps]
+    _, averaged, _, _ = train_lib.restore_trained(workdir, average=3)
+    assert int(averaged.step) == steps[-1]
+    for leaf, *each in zip(*(jax.tree.leaves(s.params) for s in (averaged, *states))):
+        np.testing.assert_allclose(leaf, sum(np.asarray(x) for x in each) / 3, rtol=1e-6)
+    # Everything but the parameters is the last checkpoint's.
+    for a, b in zip(jax.tree.leaves(averaged.opt_state), jax.tree.leaves(states[-1].opt_state)):
+        np.testing.assert_array_equal(a, b)
+    _, earlier, _, _ = train_lib.restore_trained(workdir, steps[-2], average=2)
+    for leaf, a, b in zip(*(jax.tree.leaves(s.params) for s in (earlier, *states[:2]))):
+        np.testing.assert_allclose(leaf, (np.asarray(a) + np.asarray(b)) / 2, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------
 # The command line.
 # ----------------------------------------------------------------------------
@@ -205,6 +227,7 @@ def test_cli_nbest_reference_attention(workdir, tmp_path):
     [
         ("strict", "exceed the model's 10 source tokens (line 4)"),
         ("missing", "does not exist; run train.py"),
+        ("average", "averaging 50 checkpoints needs 50 up to step 60"),
         ("empty", None),
     ],
 )
@@ -214,6 +237,8 @@ def test_cli_bad_input_one_line(workdir, tmp_path, case, words):
         args, stdin = ("--workdir", workdir, "--strict"), MIXED
     elif case == "missing":
         args, stdin = ("--workdir", str(tmp_path / "nope")), b"en 1\n"
+    elif case == "average":
+        args, stdin = ("--workdir", workdir, "--average", "50"), b"en 1\n"
     else:
         args, stdin = ("--workdir", workdir, "--output", str(out)), b""
     result = run_decode(*args, stdin=stdin)
