@@ -23,6 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.num_decoder_layers = 3  # decoder depth N
     m.dropout_rate = 0.1  # P_drop on sub-layer outputs and embedding sums
     m.attention_dropout_rate = 0.0  # dropout on attention weights
+    m.dropout_rng = "hash"  # mask bits: hash (fused into the layer, fast) | threefry (jax.random)
     m.max_len = 64  # table size for learned positions
     m.positions = "sinusoidal"  # sinusoidal | learned | none
     m.norm = "post"  # post (paper) | pre

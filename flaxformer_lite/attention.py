@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.dropout import Dropout
 
 PAD_ID = 0  # reserved: never a real token
 
@@ -189,7 +190,7 @@ class MultiHeadAttention(nn.Module):
             self.kv_bias = self._bias("kv_bias", (2, n, h), ("qkv", "heads", "kv"))
         self.out_kernel = self._kernel("out_kernel", (n, h, d), ("heads", "kv", "embed"), (0, 1), 2)
         self.out_bias = self._bias("out_bias", (d,), ("embed",))
-        self.dropout = nn.Dropout(cfg.attention_dropout_rate)
+        self.dropout = Dropout(cfg.attention_dropout_rate, cfg.dropout_rng)
 
     def project_kv(self, inputs_kv: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Projects the encoder output to cross-attention keys and values.

@@ -29,6 +29,7 @@ POSITIONS = ("sinusoidal", "learned", "none")
 NORMS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu")
 ATTENTION_IMPLS = ("vmap", "fast")
+DROPOUT_RNGS = ("hash", "threefry")
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,7 @@ class TransformerConfig:
     num_decoder_layers: int = 6
     dropout_rate: float = 0.1  # P_drop: sub-layer outputs and embedding sums (§5.4)
     attention_dropout_rate: float = 0.0  # on attention weights; the paper uses none
+    dropout_rng: str = "hash"  # mask bits: "hash" (fused, fast) | "threefry" (jax.random)
     max_len: int = 512  # longest sequence for learned positions (sinusoids have no limit)
     positions: str = "sinusoidal"  # "sinusoidal" | "learned" (Table 3 row E) | "none"
     norm: str = "post"  # "post": LayerNorm(x + Sublayer(x)) as in §3.1; "pre": x + Sublayer(LN(x))
@@ -101,6 +103,7 @@ class TransformerConfig:
             ("norm", NORMS),
             ("activation", ACTIVATIONS),
             ("attention_impl", ATTENTION_IMPLS),
+            ("dropout_rng", DROPOUT_RNGS),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(

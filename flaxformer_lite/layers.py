@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.dropout import Dropout
 
 
 def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
@@ -167,7 +168,7 @@ class Residual(nn.Module):
         """x: [B, T, D] -> [B, T, D]."""
         cfg = self.config
         norm = layer_norm(cfg, "norm")
-        drop = nn.Dropout(cfg.dropout_rate)
+        drop = Dropout(cfg.dropout_rate, cfg.dropout_rng)
         if cfg.norm == "pre":
             return x + drop(sublayer(norm(x)), deterministic=deterministic)
         return norm(x + drop(sublayer(x), deterministic=deterministic))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite import attention
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.dropout import Dropout
 from flaxformer_lite.layers import AddPositions, Embed, FeedForward, Residual, layer_norm
 
 
@@ -195,7 +196,7 @@ class Encoder(nn.Module):
         if segments is not None:
             mask = mask & attention.segment_mask(segments, segments)
         x = AddPositions(cfg, name="positions")(self.embed(inputs), positions)
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)  # §5.4
+        x = Dropout(cfg.dropout_rate, cfg.dropout_rng)(x, deterministic=deterministic)  # §5.4
         if cfg.scan_layers and not self.is_initializing():
             x = scan_layers(self, EncoderLayer, cfg.num_encoder_layers, x, (mask,), deterministic)
         else:
@@ -215,7 +216,7 @@ class Decoder(nn.Module):
     def setup(self):
         cfg = self.config
         self.positions = AddPositions(cfg)
-        self.dropout = nn.Dropout(cfg.dropout_rate)
+        self.dropout = Dropout(cfg.dropout_rate, cfg.dropout_rng)
         self.layers = [DecoderLayer(cfg, name=f"layer_{i}") for i in range(cfg.num_decoder_layers)]
         if cfg.norm == "pre":
             self.final_norm = layer_norm(cfg, "final_norm")
