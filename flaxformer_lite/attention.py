@@ -201,9 +201,11 @@ class MultiHeadAttention(nn.Module):
           (keys, values), each [batch, kv_len, heads, head_dim].
         """
         dt = self.config.dtype
-        kv = jnp.einsum("bsd,dcnh->cbsnh", inputs_kv.astype(dt), self.kv_kernel.astype(dt))
-        kv = kv + self.kv_bias.astype(dt)[:, None, None]  # [2, B, S, N, H]
-        return kv[0], kv[1]
+        # [B, S, 2, N, H]: the kernel is one row-major [D, 2*N*H] matrix, so
+        # this is a plain matmul; putting the 2 first would make XLA transpose.
+        kv = jnp.einsum("bsd,dcnh->bscnh", inputs_kv.astype(dt), self.kv_kernel.astype(dt))
+        kv = kv + self.kv_bias.astype(dt)  # [B, S, 2, N, H]
+        return kv[:, :, 0], kv[:, :, 1]
 
     def __call__(
         self,
@@ -238,9 +240,10 @@ class MultiHeadAttention(nn.Module):
         x = inputs_q.astype(dt)
         new_cache = None
         if self.self_attention:
-            qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.qkv_kernel.astype(dt))
-            qkv = qkv + self.qkv_bias.astype(dt)[:, None, None]  # [3, B, T, N, H]
-            q, k, v = qkv[0], qkv[1], qkv[2]
+            # [B, T, 3, N, H], the matmul's natural output layout (see project_kv).
+            qkv = jnp.einsum("btd,dcnh->btcnh", x, self.qkv_kernel.astype(dt))
+            qkv = qkv + self.qkv_bias.astype(dt)  # [B, T, 3, N, H]
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, N, H]
             if cache is not None:
                 at = (0, cache["index"], 0, 0)
                 k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at)
