@@ -35,6 +35,42 @@ def test_smoothed_loss_equals_the_explicit_target_distribution():
     np.testing.assert_allclose(smoothed, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_hand_written_gradient_equals_autodiff_of_the_definition(eps):
+    # The loss has a custom VJP; autodiff of -sum_v q_v log_softmax(logits)_v
+    # (and of -log p_label) is the reference. Padding and large logits included,
+    # and cotangents on both outputs, as when a caller mixes them.
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(3, 6, 40)) * 8.0, jnp.float32)
+    labels = jnp.asarray(rng.integers(1, 40, size=(3, 6))).at[1, 4:].set(0)
+    w_s, w_n = jnp.asarray(rng.normal(size=(3, 6)), jnp.float32), 0.3
+
+    def reference(x):
+        weights = (labels != 0).astype(jnp.float32)
+        log_p = jax.nn.log_softmax(x)
+        q = losses.smoothed_targets(labels, 40, eps)
+        smoothed = -jnp.sum(q * log_p, axis=-1) * weights
+        nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0] * weights
+        return jnp.sum(w_s * smoothed) + w_n * jnp.sum(nll)
+
+    def ours(x):
+        smoothed, nll = losses.cross_entropy(x, labels, eps)
+        return jnp.sum(w_s * smoothed) + w_n * jnp.sum(nll)
+
+    np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-5)
+    got, want = jax.grad(ours)(logits), jax.grad(reference)(logits)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert np.all(np.asarray(got)[1, 4:] == 0.0)  # no gradient from padding
+
+
+def test_gradient_flows_back_to_bfloat16_logits():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 16)), jnp.bfloat16)
+    labels = jnp.array([[1, 2, 3], [4, 5, 0]])
+    grad = jax.grad(lambda x: losses.cross_entropy(x, labels, 0.1)[0].sum())(logits)
+    assert grad.dtype == jnp.bfloat16 and grad.shape == logits.shape
+    assert np.all(np.isfinite(np.asarray(grad, np.float32)))
+
+
 def test_no_smoothing_is_plain_cross_entropy():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(3, 5, 11)), jnp.float32)
