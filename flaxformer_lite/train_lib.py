@@ -152,6 +152,40 @@ def train_step(
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
+def jit_train_step(
+    model: Transformer,
+    tx: optax.GradientTransformation,
+    mesh,
+    state_shardings,
+    *,
+    label_smoothing: float,
+    bos_id: int,
+    grad_accum_steps: int = 1,
+):
+    """`train_step` jitted on `mesh`: (state, batch) -> (new state, replicated metric sums).
+
+    On accelerators the old state is donated, so parameters and optimiser
+    moments are updated in place (one copy of the state in device memory).
+    On CPU it is not: with donation XLA:CPU inserts copies of each weight
+    that is still read after its update is scheduled, and the step measured
+    ~4% slower (base model, 2 cores); host memory holds the second copy.
+    """
+    donate = () if mesh.devices.flat[0].platform == "cpu" else (0,)
+    return jax.jit(
+        functools.partial(
+            train_step,
+            model=model,
+            tx=tx,
+            label_smoothing=label_smoothing,
+            bos_id=bos_id,
+            grad_accum_steps=grad_accum_steps,
+        ),
+        in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
+        out_shardings=(state_shardings, partitioning.replicated(mesh)),
+        donate_argnums=donate,
+    )
+
+
 def eval_step(
     params, batch, *, model: Transformer, label_smoothing: float, bos_id: int
 ) -> dict[str, jax.Array]:
@@ -391,19 +425,14 @@ def train_and_evaluate(
     elif resumed_dir:
         log(f"workdir {workdir} has no checkpoint yet; starting at step 0")
 
-    data_sharding = partitioning.batch_sharding(mesh)
-    p_train = jax.jit(
-        functools.partial(
-            train_step,
-            model=model,
-            tx=tx,
-            label_smoothing=t.label_smoothing,
-            bos_id=tokenizer_lib.BOS_ID,
-            grad_accum_steps=t.get("grad_accum_steps", 1),
-        ),
-        in_shardings=(state_shardings, data_sharding),
-        out_shardings=(state_shardings, partitioning.replicated(mesh)),
-        donate_argnums=0,
+    p_train = jit_train_step(
+        model,
+        tx,
+        mesh,
+        state_shardings,
+        label_smoothing=t.label_smoothing,
+        bos_id=tokenizer_lib.BOS_ID,
+        grad_accum_steps=t.get("grad_accum_steps", 1),
     )
     # Metric sums come back replicated: every process gets all of them.
     p_eval = jax.jit(
