@@ -103,6 +103,51 @@ class AddPositions(nn.Module):
         return x + pe.astype(x.dtype)
 
 
+def project(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
+    """Contracts the last `in_dims` axes of x with the first `in_dims` of kernel.
+
+    x [..., *in], kernel [*in, *out] -> [..., *out], computed as ONE 2-D
+    matmul [M, K] x [K, N] with M = all leading positions, K = prod(in),
+    N = prod(out); the reshapes are free. The multi-axis einsum gives the
+    same numbers, but its weight gradient contracts over two axes (batch and
+    length) and XLA:CPU then re-lays out activations and weights around the
+    matmuls; the 2-D form made a base-model train step ~10% faster on 2 CPU
+    cores. Merging kernel axes keeps their sharding as long as only the most
+    major of the merged axes is sharded (heads before head_dim: yes).
+    """
+    lead = x.shape[: x.ndim - in_dims]
+    k = math.prod(kernel.shape[:in_dims])
+    y = x.reshape(-1, k) @ kernel.reshape(k, -1)  # [M, K] x [K, N] -> [M, N]
+    return y.reshape(*lead, *kernel.shape[in_dims:])
+
+
+class Dense(nn.Module):
+    """y = x W + b over the last axis, W [in, features] (flax's "kernel"/"bias" names)."""
+
+    features: int
+    config: TransformerConfig
+    axes: tuple[str, str]  # logical names of the kernel's (in, out) axes
+    kernel_init: Callable = nn.initializers.xavier_uniform()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[..., in] -> [..., features]."""
+        cfg = self.config
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(self.kernel_init, self.axes),
+            (x.shape[-1], self.features),
+            cfg.param_dtype,
+        )
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), self.axes[1:]),
+            (self.features,),
+            cfg.param_dtype,
+        )
+        return project(x.astype(cfg.dtype), kernel.astype(cfg.dtype)) + bias.astype(cfg.dtype)
+
+
 def _activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return {"relu": nn.relu, "gelu": nn.gelu}[name]
 
@@ -116,27 +161,9 @@ class FeedForward(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, D]."""
         cfg = self.config
-        h = nn.DenseGeneral(
-            cfg.d_ff,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            kernel_init=nn.with_logical_partitioning(
-                nn.initializers.xavier_uniform(), ("embed", "mlp")
-            ),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("mlp",)),
-            name="wi",
-        )(x)  # [B, T, F]
+        h = Dense(cfg.d_ff, cfg, ("embed", "mlp"), name="wi")(x)  # [B, T, F]
         h = _activation(cfg.activation)(h)
-        return nn.DenseGeneral(
-            cfg.d_model,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            kernel_init=nn.with_logical_partitioning(
-                nn.initializers.xavier_uniform(), ("mlp", "embed")
-            ),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-            name="wo",
-        )(h)  # [B, T, D]
+        return Dense(cfg.d_model, cfg, ("mlp", "embed"), name="wo")(h)  # [B, T, D]
 
 
 def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
