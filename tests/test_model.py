@@ -9,7 +9,7 @@ import pytest
 from flax import linen as nn
 
 from flaxformer_lite.config import ConfigError, TransformerConfig
-from flaxformer_lite.layers import Embed, sinusoidal_positions
+from flaxformer_lite.layers import Dense, Embed, project, sinusoidal_positions
 from flaxformer_lite.model import Transformer, shift_right
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -224,3 +224,36 @@ def test_scan_over_layers_equals_unrolled(remat):
     g_unrolled = jax.grad(lambda p: loss(TINY, p))(params)
     for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_unrolled), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x_shape, kernel_shape, in_dims, spec",
+    [
+        ((2, 5, 8), (8, 3, 4, 2), 1, "btd,dcnh->btcnh"),  # stacked Q/K/V
+        ((2, 5, 4, 2), (4, 2, 8), 2, "btnh,nhd->btd"),  # W_O over heads
+        ((7, 8), (8, 16), 1, "md,df->mf"),
+    ],
+)
+def test_project_is_the_einsum_with_its_gradients(x_shape, kernel_shape, in_dims, spec):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=kernel_shape), jnp.float32)
+    got = project(x, w, in_dims)
+    np.testing.assert_allclose(got, jnp.einsum(spec, x, w), rtol=1e-5, atol=1e-5)
+    ct = jnp.asarray(rng.normal(size=got.shape), jnp.float32)
+    ours = jax.grad(lambda x, w: jnp.sum(project(x, w, in_dims) * ct), argnums=(0, 1))(x, w)
+    ref = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * ct), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_has_flax_dense_parameters_and_output():
+    cfg = TransformerConfig(vocab_size=11, d_model=8, d_ff=16, num_heads=2)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 8)), jnp.float32)
+    ours = Dense(16, cfg, ("embed", "mlp"))
+    params = nn.meta.unbox(ours.init(jax.random.PRNGKey(0), x))
+    theirs = nn.DenseGeneral(16, kernel_init=nn.initializers.xavier_uniform())
+    ref_params = theirs.init(jax.random.PRNGKey(0), x)
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, ref_params)
+    np.testing.assert_allclose(params["params"]["kernel"], ref_params["params"]["kernel"])
+    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-5)
