@@ -67,12 +67,14 @@ class Embed(nn.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the embedding matrix: [B, T, D] -> float32[B, T, V]."""
         cfg = self.config
-        return jnp.einsum(
-            "btd,vd->btv",
-            x.astype(cfg.dtype),
+        *lead, d = x.shape
+        logits = jnp.einsum(  # over merged positions, as in `project`
+            "md,vd->mv",
+            x.astype(cfg.dtype).reshape(-1, d),
             self.embedding.astype(cfg.dtype),
             preferred_element_type=jnp.float32,
-        )
+        )  # [M, V]
+        return logits.reshape(*lead, -1)
 
 
 class AddPositions(nn.Module):
