@@ -157,9 +157,10 @@ class MultiHeadAttention(nn.Module):
     cross-attention W_Q is [D, N, H] and W_K, W_V are stacked as [D, 2, N, H]:
     `project_kv` projects the encoder side once per source, and decoding
     reuses the result at every step. Each slice is applied as its own
-    [M, D] x [D, N*H] matmul (`layers.project`): on 2 CPU cores that is as
-    fast as one [D, 3*N*H] matmul, and unlike it keeps the heads axis
-    shardable over the mesh's model axis.
+    [M, D] x [D, N*H] matmul (`layers.project`). One fused [D, 3*N*H] matmul
+    measured only 2-3% faster per train step on 2 CPU cores, and merging the
+    stacking axis in front of the heads would stop the heads axis from being
+    sharded over the mesh's model axis.
     """
 
     config: TransformerConfig
