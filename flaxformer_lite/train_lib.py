@@ -9,6 +9,7 @@ names in `partitioning.py`.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -323,26 +324,28 @@ def restore_trained(workdir: str, step: int | None = None, average: int = 1):
     try:
         state, _ = ckpt.restore(target, step)
         if average > 1:
-            state = state.replace(params=_average_params(ckpt, target, int(state.step), average))
+            state = state.replace(params=_average_params(ckpt, target, state, average))
     finally:
         ckpt.close()
     return model, state, tokenizer, saved
 
 
-def _average_params(ckpt: checkpoints.Checkpointer, target, step: int, count: int):
-    """Mean parameters of the last `count` checkpoints up to `step` (float32 sums)."""
+def _average_params(ckpt: checkpoints.Checkpointer, target, last, count: int):
+    """Mean parameters of the last `count` checkpoints up to the restored state `last`
+    (float32 sums); `last` itself is not read again."""
+    step = int(last.step)
     steps = [s for s in ckpt.all_steps() if s <= step][-count:]
     if len(steps) < count:
         raise FileNotFoundError(
             f"averaging {count} checkpoints needs {count} up to step {step}, but "
             f"{ckpt.directory} has {len(steps)}: {', '.join(map(str, steps))}"
         )
+    earlier = (ckpt.restore(target, s)[0].params for s in steps[:-1])  # steps[-1] is `last`
     total = None
-    for s in steps:
-        params = ckpt.restore(target, s)[0].params
+    for params in itertools.chain(earlier, [last.params]):  # in step order, one at a time
         params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
         total = params if total is None else jax.tree.map(jnp.add, total, params)
-    return jax.tree.map(lambda t, x: (t / count).astype(x.dtype), total, target.params)
+    return jax.tree.map(lambda t, x: (t / count).astype(x.dtype), total, last.params)
 
 
 def _print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
