@@ -34,7 +34,7 @@ def test_hash_bits_are_uniform():
     assert ((counts - expected) ** 2 / expected).sum() < 255 + 6 * 22.6
 
 
-def test_masks_are_uncorrelated_across_elements_keys_and_layers():
+def test_masks_are_uncorrelated_across_elements_and_keys():
     rate = 0.3
     a = _mask(0, rate).astype(np.float64)
     b = _mask(1, rate).astype(np.float64)
@@ -46,7 +46,7 @@ def test_masks_are_uncorrelated_across_elements_keys_and_layers():
     assert abs(corr(a, b)) < limit  # two keys
     flat = a.ravel()
     for lag in (1, 2, 128, 128 * 128):  # neighbours, next row, next matrix
-        assert abs(corr(flat[:-lag], flat[lag:])) < limit * 1.01
+        assert abs(corr(flat[:-lag], flat[lag:])) < limit
     # Keys whose first words differ by d = 1: one hash round would give key 2
     # the bits of key 1 at index i ^ 1 (a permuted copy); two rounds do not.
     index = jnp.arange(1 << 20, dtype=jnp.uint32)
