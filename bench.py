@@ -52,6 +52,7 @@ config_flags.DEFINE_config_file(
     "when given, and --config.model.x=... override it. Without it: the size flags alone.",
     lock_config=True,
 )
+cli.define_host_malloc_flag()
 FLAGS = flags.FLAGS
 
 # Size flag -> the model fields it sets.
@@ -195,7 +196,10 @@ def main(argv):
         + (", layers scanned" if config.scan_layers else "")
         + (", rematerialised" if config.remat else "")
     )
-    results = {"config": config.to_dict()}
+    from flaxformer_lite import host_memory
+
+    log(f"host malloc: {'reuse freed memory' if host_memory.applied() else 'system default'}")
+    results = {"config": config.to_dict(), "host_malloc_reuse": host_memory.applied()}
     if FLAGS.mode in ("all", "train"):
         log(
             f"training: batch {FLAGS.batch} x {FLAGS.source_len} source x {FLAGS.target_len} "
@@ -239,6 +243,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     if any(a.startswith(("--config=", "--config.")) or a == "--config" for a in sys.argv[1:]):
         cli.check_config_overrides(sys.argv[1:], "")  # one-line errors for bad paths and keys
     app.run(main, flags_parser=cli.parse_flags)

@@ -175,5 +175,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     define_flags()
+    cli.define_host_malloc_flag()
     app.run(main, flags_parser=cli.parse_flags)

@@ -84,7 +84,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     # Overrides are applied while the config flag is defined, so check them first.
     cli.check_config_overrides(sys.argv[1:], _DEFAULT_CONFIG)
     define_flags()
+    cli.define_host_malloc_flag()
     app.run(main, flags_parser=cli.parse_flags)

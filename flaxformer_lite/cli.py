@@ -22,7 +22,7 @@ def fail(message: str, code: int = 2):
     sys.exit(code)
 
 
-def _config_path(argv: list[str], flag: str, default: str) -> str:
+def _flag_value(argv: list[str], flag: str, default: str) -> str:
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{flag}="):
             return arg.split("=", 1)[1]
@@ -35,7 +35,7 @@ def check_config_overrides(argv: list[str], default_path: str, flag: str = "conf
     """Rejects `--config.a.b=v` flags that name no field of the config file, naming the fix."""
     if any(a in ("-h", "--help", "--helpfull", "--helpshort") for a in argv):
         return
-    path = _config_path(argv, flag, default_path)
+    path = _flag_value(argv, flag, default_path)
     if not os.path.isfile(path):
         fail(f"--{flag}: config file {path!r} does not exist; pass a path like configs/default.py")
     spec = importlib.util.spec_from_file_location("_cli_config", path)
@@ -61,6 +61,29 @@ def check_config_overrides(argv: list[str], default_path: str, flag: str = "conf
                     f"(fields: {known})"
                 )
             node = node[part]
+
+
+def define_host_malloc_flag() -> None:
+    from flaxformer_lite import host_memory
+
+    flags.DEFINE_enum(
+        "host_malloc",
+        "auto",
+        host_memory.MODES,
+        "reuse: keep freed host memory in the process, so XLA:CPU does not map and zero "
+        "its scratch memory anew every step (~7% faster CPU training steps); system: "
+        "leave malloc alone; auto: reuse unless a GPU/TPU plugin is installed.",
+    )
+
+
+def set_host_malloc(argv: list[str]) -> None:
+    """Applies `--host_malloc` (see `host_memory`); call it before anything imports JAX."""
+    from flaxformer_lite import host_memory
+
+    mode = _flag_value(argv, "host_malloc", "auto")
+    if mode not in host_memory.MODES:
+        fail(f"--host_malloc must be one of {', '.join(host_memory.MODES)}, got {mode!r}")
+    host_memory.configure(mode)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -1,0 +1,85 @@
+"""Reusing freed host memory stops XLA:CPU from mapping fresh scratch pages every run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from flaxformer_lite import host_memory
+
+needs_glibc = pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc malloc")
+
+# Runs a jitted program whose scratch memory (two 32 MiB intermediates, the
+# cumulative sums, which XLA does not fuse away) is one block of 64 MiB, and
+# prints the minor page faults of its last runs. With reuse the heap first
+# grows for some runs (small allocations land in the freed block) and then
+# settles, hence the warm-up. The settings must precede JAX, so each mode gets
+# its own process.
+_PROBE = """
+import json, resource, sys
+sys.path.insert(0, {root!r})
+from flaxformer_lite import host_memory
+applied = host_memory.configure({mode!r})
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x: jnp.sum(jnp.cumsum(x, axis=0) * jnp.cumsum(x, axis=1)))
+x = jnp.ones((2048, 4096), jnp.float32)
+for _ in range(30):
+    f(x).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    f(x).block_until_ready()
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+print(json.dumps({{"applied": applied, "faults_per_run": faults}}))
+"""
+
+
+def _probe(mode: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(root=ROOT, mode=mode)],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@needs_glibc
+def test_reuse_removes_the_per_run_page_faults():
+    system, reuse = _probe("system"), _probe("reuse")
+    assert not system["applied"] and reuse["applied"]
+    # 64 MiB of fresh scratch is 16384 4-KiB pages (fewer with transparent huge pages).
+    assert system["faults_per_run"] > 2000, system
+    assert reuse["faults_per_run"] < system["faults_per_run"] / 20, (system, reuse)
+
+
+def test_auto_leaves_malloc_alone_when_an_accelerator_is_expected(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert host_memory.accelerator_expected()
+    assert host_memory.configure("auto") is False  # nothing was set in this process
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not host_memory.accelerator_expected()
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match="host_malloc must be one of auto, reuse, system"):
+        host_memory.configure("fast")
+    assert host_memory.configure("system") is False
+
+
+def test_cli_names_a_bad_mode_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "bench.py", "--host_malloc=fast"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: --host_malloc must be one of auto, reuse, system, got 'fast'"
+    )
