@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from flaxformer_lite import host_memory
 
 needs_glibc = pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc malloc")
