@@ -167,9 +167,13 @@ def jit_train_step(
 
     On accelerators the old state is donated, so parameters and optimiser
     moments are updated in place (one copy of the state in device memory).
-    On CPU it is not: with donation XLA:CPU inserts copies of each weight
-    that is still read after its update is scheduled, and the step measured
-    ~4% slower (base model, 2 cores); host memory holds the second copy.
+    On CPU it is not. Without `host_memory`'s reuse of freed memory,
+    donation gave no faster step (XLA:CPU copies each weight that is still
+    read after its update) and more page faults (209k against 128k per base
+    model step). With it, the median step was 1.7% faster, but the heap
+    fragmented: over 50 steps the process grew from 2.0 to 5.2 GB, with
+    steps that mapped 800 MB anew (up to 3 s), where without donation it
+    held 3.1 GB from step 12 on with no page faults.
     """
     donate = () if mesh.devices.flat[0].platform == "cpu" else (0,)
     return jax.jit(
