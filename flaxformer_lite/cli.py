@@ -72,8 +72,8 @@ def define_host_malloc_flag() -> None:
         host_memory.MODES,
         "reuse: keep freed host memory in the process, so XLA:CPU does not map and zero "
         "its scratch memory anew every step (~7% faster CPU training steps, ~30% slower "
-        "compiles); system: "
-        "leave malloc alone; auto: reuse unless a GPU/TPU plugin is installed.",
+        "compiles); system: leave malloc alone; auto: reuse unless a GPU/TPU plugin is "
+        "installed.",
     )
 
 
@@ -81,10 +81,10 @@ def set_host_malloc(argv: list[str]) -> None:
     """Applies `--host_malloc` (see `host_memory`); call it before anything imports JAX."""
     from flaxformer_lite import host_memory
 
-    mode = _flag_value(argv, "host_malloc", "auto")
-    if mode not in host_memory.MODES:
-        fail(f"--host_malloc must be one of {', '.join(host_memory.MODES)}, got {mode!r}")
-    host_memory.configure(mode)
+    try:
+        host_memory.configure(_flag_value(argv, "host_malloc", "auto"))
+    except ValueError as e:
+        fail(f"--{e}")
 
 
 def parse_flags(argv: list[str]) -> list[str]:

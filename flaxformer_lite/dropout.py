@@ -23,6 +23,8 @@ different layers.
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,9 +48,7 @@ def hash_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
       key: a JAX PRNG key; only two uint32 words drawn from it are used.
     """
     k0, k1 = jax.random.bits(key, (2,), jnp.uint32)
-    size = 1
-    for d in shape:
-        size *= d
+    size = math.prod(shape)
     if size >= 2**32:
         raise ValueError(f"hash dropout indexes elements with uint32; {shape} has {size}")
     return keyed_hash(jax.lax.iota(jnp.uint32, size).reshape(shape), k0, k1)

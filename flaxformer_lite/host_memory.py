@@ -17,8 +17,8 @@ memory stays with the process and is handed out again:
 The cost: the resident size never shrinks below the run's peak, and all
 threads share one allocator lock. The heap grows over the first steps (small
 allocations land in freed blocks, so a later big one may not fit) and then
-settles: for the base-model train step the process held 3.1 GB from step 10
-to step 30, where the system allocator swings between 2.3 and 3.3 GB. And
+settles: for the base-model train step the process held 3.1 GB from step 12
+to step 50, where the system allocator swings between 2.2 and 3.3 GB. And
 compiling gets slower, as XLA's compiler threads share the one arena: the
 base model's train step compiled in 10.4-10.7 s with `--scan_layers` (6.6-7.7
 s unrolled) against 7.8-8.3 s (5.4 s) with the system allocator. Paid once

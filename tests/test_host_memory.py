@@ -61,7 +61,8 @@ def test_reuse_removes_the_per_run_page_faults():
 def test_auto_leaves_malloc_alone_when_an_accelerator_is_expected(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     assert host_memory.accelerator_expected()
-    assert host_memory.configure("auto") is False  # nothing was set in this process
+    assert host_memory.configure("auto") is False
+    assert not host_memory.applied()  # nothing was set in this process
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert not host_memory.accelerator_expected()
 
