@@ -16,7 +16,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from flaxformer_lite import cli
+from flaxformer_lite.tools import cli
 
 flags.DEFINE_enum("mode", "all", ["all", "train", "decode", "sweep"], "What to measure.")
 flags.DEFINE_integer("batch", 16, "Sentences per batch.")
@@ -112,7 +112,7 @@ def _model_args() -> list[str]:
 
 
 def _sweep(results):
-    from flaxformer_lite import benchmark
+    from flaxformer_lite.tools import benchmark
 
     config, peak = _config(), benchmark.matmul_peak()
     quiet = lambda s: None  # noqa: E731
@@ -184,7 +184,7 @@ def main(argv):
         _check_compare()
     import jax
 
-    from flaxformer_lite import benchmark
+    from flaxformer_lite.tools import benchmark
 
     config = _config()
     to_stdout = FLAGS.json == "/dev/stdout"
@@ -196,7 +196,7 @@ def main(argv):
         + (", layers scanned" if config.scan_layers else "")
         + (", rematerialised" if config.remat else "")
     )
-    from flaxformer_lite import host_memory
+    from flaxformer_lite.tools import host_memory
 
     log(f"host malloc: {'reuse freed memory' if host_memory.applied() else 'system default'}")
     results = {"config": config.to_dict(), "host_malloc_reuse": host_memory.applied()}

@@ -11,7 +11,7 @@ import sys
 
 from absl import app, flags, logging
 
-from flaxformer_lite import cli
+from flaxformer_lite.tools import cli
 
 FLAGS = flags.FLAGS
 
@@ -105,11 +105,12 @@ def main(argv):
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
     _check_paths()
-    from flaxformer_lite import decode_lib, train_lib
+    from flaxformer_lite.training import loop
+    from flaxformer_lite.translate import runner
 
     try:
-        run_config, tokenizer = decode_lib.open_workdir(FLAGS.workdir, FLAGS.step)
-        search = decode_lib.make_search(
+        run_config, tokenizer = runner.open_workdir(FLAGS.workdir, FLAGS.step)
+        search = runner.make_search(
             run_config,
             beam_size=FLAGS.beam_size,
             alpha=FLAGS.alpha,
@@ -122,25 +123,23 @@ def main(argv):
         )
         if FLAGS.attention_png:
             num_layers = run_config["model"]["num_decoder_layers"]
-            decode_lib.check_attention_layer(FLAGS.attention_layer, num_layers)
-        lines, num_invalid = decode_lib.read_lines(FLAGS.input)
+            runner.check_attention_layer(FLAGS.attention_layer, num_layers)
+        lines, num_invalid = runner.read_lines(FLAGS.input)
         references = None
         if FLAGS.reference:
-            references, _ = decode_lib.read_lines(FLAGS.reference)
-            decode_lib.check_line_counts(len(lines), len(references))
+            references, _ = runner.read_lines(FLAGS.reference)
+            runner.check_line_counts(len(lines), len(references))
         if not lines:
-            decode_lib.write_lines(FLAGS.output, [])
+            runner.write_lines(FLAGS.output, [])
             log("input is empty: nothing to decode")
             return
         max_source_len = run_config["data"]["max_source_len"]
-        sources = decode_lib.tokenize_lines(tokenizer, lines, max_source_len, strict=FLAGS.strict)
+        sources = runner.tokenize_lines(tokenizer, lines, max_source_len, strict=FLAGS.strict)
         for warning in input_warnings(num_invalid, sources, max_source_len):
             log(warning)
 
-        model, state, _, _ = train_lib.restore_trained(
-            FLAGS.workdir, FLAGS.step, average=FLAGS.average
-        )
-        result = decode_lib.decode_lines(
+        model, state, _, _ = loop.restore_trained(FLAGS.workdir, FLAGS.step, average=FLAGS.average)
+        result = runner.decode_lines(
             model,
             state.params,
             tokenizer,
@@ -152,14 +151,14 @@ def main(argv):
             seed=FLAGS.seed,
             progress=None,  # a bar only on a terminal
         )
-        decode_lib.write_lines(
-            FLAGS.output, [decode_lib.format_line(h, FLAGS.nbest) for h in result.hypotheses]
+        runner.write_lines(
+            FLAGS.output, [runner.format_line(h, FLAGS.nbest) for h in result.hypotheses]
         )
         log(summary(result))
         if references is not None:
-            log(decode_lib.bleu_report(result.texts, references))
+            log(runner.bleu_report(result.texts, references))
         if FLAGS.attention_png and FLAGS.attention_count:
-            paths = decode_lib.save_attention_pngs(
+            paths = runner.save_attention_pngs(
                 model,
                 state.params,
                 tokenizer,
@@ -170,7 +169,7 @@ def main(argv):
                 count=FLAGS.attention_count,
             )
             log(f"wrote {len(paths)} attention plot(s) to {FLAGS.attention_png}")
-    except decode_lib.InputError as e:
+    except runner.InputError as e:
         cli.fail(str(e))
 
 

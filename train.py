@@ -16,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from flaxformer_lite import cli
+from flaxformer_lite.tools import cli
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 FLAGS = flags.FLAGS
@@ -54,7 +54,8 @@ def main(argv):
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax and TFDS are chatty at INFO/WARNING
-    from flaxformer_lite import dry_run, partitioning
+    from flaxformer_lite.parallel import partitioning
+    from flaxformer_lite.tools import dry_run
 
     if FLAGS.dry_run:
         dry_run.print_parameter_table(FLAGS.config)
@@ -68,10 +69,10 @@ def main(argv):
         cli.fail(str(e))
     import jax
 
-    from flaxformer_lite import train_lib
+    from flaxformer_lite.training import loop
 
     try:
-        results = train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+        results = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
     except partitioning.DistributedError as e:
         cli.fail(str(e))
     if jax.process_index() == 0:

@@ -62,7 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
     o.weight_decay = 0.0  # decoupled weight decay (AdamW) when > 0
     o.grad_clip_norm = 0.0  # global-norm clipping when > 0
 
-    # Device mesh data x fsdp x model (see flaxformer_lite/partitioning.py); data gets
+    # Device mesh data x fsdp x model (see flaxformer_lite/parallel/partitioning.py); data gets
     # the devices that fsdp and model leave.
     config.mesh = mesh = ml_collections.ConfigDict()
     mesh.fsdp = 1  # shard parameters and optimiser state over this many devices (ZeRO-3)

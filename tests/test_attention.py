@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import attention
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.nn import attention
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

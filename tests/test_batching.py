@@ -259,7 +259,7 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
 
     from flaxformer_lite.config import TransformerConfig
     from flaxformer_lite.data.tokenizer import BOS_ID
-    from flaxformer_lite.model import Transformer, shift_right
+    from flaxformer_lite.models.transformer import Transformer, shift_right
 
     jax.config.update("jax_default_matmul_precision", "highest")
     batch = batching.PackedBatches(tokenized, rows=2, source_len=64, target_len=64, seed=0)[0]
@@ -291,10 +291,12 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
         mask = seg_out[r] == k
         np.testing.assert_allclose(packed[r][mask], separate[i, : mask.sum()], atol=1e-5)
     # Metric sums count examples, not rows: packed (by segment) equals separate rows.
-    from flaxformer_lite import losses
+    from flaxformer_lite.objectives import cross_entropy
 
-    by_segment = losses.metrics_sums(packed, batch["targets"], 0.1, batch["targets_segments"])
-    by_row = losses.metrics_sums(separate, targets, 0.1)
+    by_segment = cross_entropy.metrics_sums(
+        packed, batch["targets"], 0.1, batch["targets_segments"]
+    )
+    by_row = cross_entropy.metrics_sums(separate, targets, 0.1)
     assert float(by_segment["sequences"]) == len(rows)
     for key in by_row:
         np.testing.assert_allclose(by_segment[key], by_row[key], rtol=1e-5, err_msg=key)

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import benchmark
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.model import Transformer
+from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.tools import benchmark
 
 TINY = TransformerConfig(
     vocab_size=40,
@@ -122,7 +122,7 @@ def test_cli_flags_reach_the_benchmarked_model():
     assert (model["d_model"], model["d_ff"], model["vocab_size"]) == (32, 48, 64)  # tiny's
     assert out["train"]["step_s"] > 0
     assert "layers scanned, rematerialised" in result.stderr
-    from flaxformer_lite import host_memory
+    from flaxformer_lite.tools import host_memory
 
     # JAX_PLATFORMS=cpu: --host_malloc=auto keeps freed memory wherever glibc is the C library.
     assert out["host_malloc_reuse"] == (host_memory._glibc() is not None)

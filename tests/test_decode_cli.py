@@ -7,7 +7,8 @@ import sys
 import pytest
 from conftest import ROOT, tiny_config
 
-from flaxformer_lite import decode_lib, inference
+from flaxformer_lite.models import predict
+from flaxformer_lite.translate import runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,24 +29,24 @@ def run_decode(*args, stdin=b""):
 
 @pytest.fixture(scope="module")
 def workdir(tfds_dir, tmp_path_factory):
-    from flaxformer_lite import train_lib
+    from flaxformer_lite.training import loop
 
     path = str(tmp_path_factory.mktemp("decode") / "run")
-    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=60), path, log=lambda s: None)
+    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=60), path, log=lambda s: None)
     return path
 
 
 @pytest.fixture(scope="module")
 def loaded(workdir):
-    from flaxformer_lite import train_lib
+    from flaxformer_lite.training import loop
 
-    run_config, tokenizer = decode_lib.open_workdir(workdir)
-    model, state, _, _ = train_lib.restore_trained(workdir)
+    run_config, tokenizer = runner.open_workdir(workdir)
+    model, state, _, _ = loop.restore_trained(workdir)
     return model, state.params, tokenizer, run_config
 
 
 def greedy(run_config, **kw):
-    return decode_lib.make_search(run_config, beam_size=1, **kw)
+    return runner.make_search(run_config, beam_size=1, **kw)
 
 
 # ----------------------------------------------------------------------------
@@ -68,30 +69,30 @@ def greedy(run_config, **kw):
 def test_read_lines(tmp_path, data, lines, invalid):
     path = tmp_path / "in.txt"
     path.write_bytes(data)
-    assert decode_lib.read_lines(str(path)) == (lines, invalid)
+    assert runner.read_lines(str(path)) == (lines, invalid)
 
 
 def test_buckets_and_batch_plan():
-    assert decode_lib.bucket_lengths(10) == (8, 10)
-    assert decode_lib.bucket_lengths(256) == (8, 16, 32, 64, 128, 256)
-    assert decode_lib.bucket_lengths(100) == (8, 16, 32, 64, 100)
-    assert decode_lib.bucket_lengths(5) == (5,)
-    plan = decode_lib.plan_batches([3, 0, 9, 5, 12, 1], 2, (8, 16))
+    assert runner.bucket_lengths(10) == (8, 10)
+    assert runner.bucket_lengths(256) == (8, 16, 32, 64, 128, 256)
+    assert runner.bucket_lengths(100) == (8, 16, 32, 64, 100)
+    assert runner.bucket_lengths(5) == (5,)
+    plan = runner.plan_batches([3, 0, 9, 5, 12, 1], 2, (8, 16))
     assert plan == [([4, 2], 16), ([3, 0], 8), ([5], 8)]  # the empty line 1 is not decoded
 
 
 def test_format_line_keeps_one_line_per_input():
-    assert decode_lib.format_line([("a\nb\tc\r", -1.0)]) == "a b c "
-    line = decode_lib.format_line([("x\ty", -0.5), ("z", -1.25)], nbest=2)
+    assert runner.format_line([("a\nb\tc\r", -1.0)]) == "a b c "
+    line = runner.format_line([("x\ty", -0.5), ("z", -1.25)], nbest=2)
     assert line == "x y\t-0.5000\tz\t-1.2500"
-    assert decode_lib.format_line([], nbest=3) == ""
+    assert runner.format_line([], nbest=3) == ""
 
 
 def test_make_search_methods_and_errors():
     rc = {"data": {"max_target_len": 16}, "model": {"positions": "sinusoidal", "max_len": 64}}
-    assert decode_lib.make_search(rc).method == "beam"
-    assert decode_lib.make_search(rc, beam_size=1).method == "greedy"
-    sample = decode_lib.make_search(rc, temperature=0.7, top_k=5)
+    assert runner.make_search(rc).method == "beam"
+    assert runner.make_search(rc, beam_size=1).method == "greedy"
+    sample = runner.make_search(rc, temperature=0.7, top_k=5)
     assert (sample.method, sample.temperature, sample.max_len) == ("sample", 0.7, 16)
     for kw in (
         dict(nbest=2, beam_size=1),
@@ -100,15 +101,15 @@ def test_make_search_methods_and_errors():
         dict(top_p=0.9),
         dict(min_len=16),
     ):
-        with pytest.raises(decode_lib.InputError):
-            decode_lib.make_search(rc, **kw)
+        with pytest.raises(runner.InputError):
+            runner.make_search(rc, **kw)
 
 
 def test_bleu_report_has_signature_and_checks_counts():
-    report = decode_lib.bleu_report(["forty-two", "zwei"], ["forty-two", "drei"])
+    report = runner.bleu_report(["forty-two", "zwei"], ["forty-two", "drei"])
     assert "BLEU|nrefs:1|" in report and "chrF2|nrefs:1|" in report
-    with pytest.raises(decode_lib.InputError, match="1 lines but the input has 2"):
-        decode_lib.bleu_report(["a", "b"], ["a"])
+    with pytest.raises(runner.InputError, match="1 lines but the input has 2"):
+        runner.bleu_report(["a", "b"], ["a"])
 
 
 # ----------------------------------------------------------------------------
@@ -120,9 +121,9 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     model, params, tokenizer, run_config = loaded
     path = tmp_path / "mixed.txt"
     path.write_bytes(MIXED)
-    lines, invalid = decode_lib.read_lines(str(path))
+    lines, invalid = runner.read_lines(str(path))
     assert len(lines) == 7 and invalid == 1
-    result = decode_lib.decode_lines(
+    result = runner.decode_lines(
         model, params, tokenizer, run_config, lines, search=greedy(run_config), batch_size=4
     )
     assert len(result.hypotheses) == len(lines)
@@ -131,9 +132,9 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     assert result.sources.num_empty == 2 and result.sources.num_truncated == 1
     assert result.sources.num_unknown >= 1  # U+FFFD is not in the vocabulary
     assert len(result.sources.ids[3]) == run_config["data"]["max_source_len"]
-    assert result.sources.ids[3][-1] == decode_lib.EOS_ID
-    with pytest.raises(decode_lib.InputError, match=r"\(line 4\)"):
-        decode_lib.decode_lines(
+    assert result.sources.ids[3][-1] == runner.EOS_ID
+    with pytest.raises(runner.InputError, match=r"\(line 4\)"):
+        runner.decode_lines(
             model, params, tokenizer, run_config, lines, search=greedy(run_config), strict=True
         )
 
@@ -145,17 +146,17 @@ def test_order_preserved_and_compilations_bounded(loaded):
     # A max_len no other test uses, so every compilation of this search happens here.
     search = greedy(run_config, max_len=12)
     # The jitted function's cache counts the compilations directly (a private jax API).
-    cache_size = getattr(inference.decode, "_cache_size", lambda: 0)
+    cache_size = getattr(predict.decode, "_cache_size", lambda: 0)
     before = cache_size()
-    together = decode_lib.decode_lines(
+    together = runner.decode_lines(
         model, params, tokenizer, run_config, lines, search=search, batch_size=4
     )
-    buckets = decode_lib.bucket_lengths(run_config["data"]["max_source_len"])
+    buckets = runner.bucket_lengths(run_config["data"]["max_source_len"])
     assert {length for _, length in together.batch_shapes} == set(buckets)
     assert len(together.batch_shapes) <= len(buckets)
     assert cache_size() - before <= len(buckets)
     alone = [
-        decode_lib.decode_lines(model, params, tokenizer, run_config, [line], search=search)
+        runner.decode_lines(model, params, tokenizer, run_config, [line], search=search)
         for line in lines
     ]
     assert together.texts == [r.texts[0] for r in alone]
@@ -165,20 +166,20 @@ def test_checkpoint_averaging_is_the_mean_of_the_checkpoints(workdir):
     import jax
     import numpy as np
 
-    from flaxformer_lite import checkpoints, train_lib
+    from flaxformer_lite.training import checkpoints, loop
 
     ckpt = checkpoints.Checkpointer(workdir, keep=100, save_every=0)
     steps = ckpt.all_steps()[-3:]
     ckpt.close()
-    states = [train_lib.restore_trained(workdir, s)[1] for s in steps]
-    _, averaged, _, _ = train_lib.restore_trained(workdir, average=3)
+    states = [loop.restore_trained(workdir, s)[1] for s in steps]
+    _, averaged, _, _ = loop.restore_trained(workdir, average=3)
     assert int(averaged.step) == steps[-1]
     for leaf, *each in zip(*(jax.tree.leaves(s.params) for s in (averaged, *states))):
         np.testing.assert_allclose(leaf, sum(np.asarray(x) for x in each) / 3, rtol=1e-6)
     # Everything but the parameters is the last checkpoint's.
     for a, b in zip(jax.tree.leaves(averaged.opt_state), jax.tree.leaves(states[-1].opt_state)):
         np.testing.assert_array_equal(a, b)
-    _, earlier, _, _ = train_lib.restore_trained(workdir, steps[-2], average=2)
+    _, earlier, _, _ = loop.restore_trained(workdir, steps[-2], average=2)
     for leaf, a, b in zip(*(jax.tree.leaves(s.params) for s in (earlier, *states[:2]))):
         np.testing.assert_allclose(leaf, (np.asarray(a) + np.asarray(b)) / 2, rtol=1e-6)
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from flaxformer_lite import decoding, inference
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.model import Transformer
+from flaxformer_lite.models import predict
+from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.search import autoregressive
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -45,7 +46,7 @@ def test_cached_steps_equal_full_forward(changes):
     cfg = TINY.replace(**changes)
     model, params = Transformer(cfg), _params(cfg)
     full = model.apply({"params": params}, SRC, TGT)  # [B, T, V]
-    step, cache, first = inference.cached_step(model, params, SRC, max_len=6, bos_id=BOS)
+    step, cache, first = predict.cached_step(model, params, SRC, max_len=6, bos_id=BOS)
     np.testing.assert_array_equal(first, [BOS] * 3)
     step = jax.jit(step)
     for t in range(TGT.shape[1]):
@@ -58,7 +59,7 @@ def test_prefix_filled_in_one_call_equals_full_forward():
     model, params = Transformer(TINY), _params(TINY)
     full = model.apply({"params": params}, SRC, TGT)
     prefix = TGT[:, 1:4]  # three forced target tokens
-    step, cache, first = inference.cached_step(
+    step, cache, first = predict.cached_step(
         model, params, SRC, max_len=3, prefix=prefix, bos_id=BOS
     )
     assert int(cache["index"]) == 3  # BOS + prefix[:-1] written at once
@@ -72,14 +73,14 @@ def test_prefix_filled_in_one_call_equals_full_forward():
 def test_cached_and_uncached_searches_agree():
     model, params = Transformer(TINY), _params(TINY)
     for method in ("greedy", "beam"):
-        a = inference.decode(
-            model, params, SRC, search=inference.SearchConfig(method, 6), bos_id=BOS, eos_id=EOS
+        a = predict.decode(
+            model, params, SRC, search=predict.SearchConfig(method, 6), bos_id=BOS, eos_id=EOS
         )
-        b = inference.decode(
+        b = predict.decode(
             model,
             params,
             SRC,
-            search=inference.SearchConfig(method, 6, cached=False),
+            search=predict.SearchConfig(method, 6, cached=False),
             bos_id=BOS,
             eos_id=EOS,
         )
@@ -89,14 +90,14 @@ def test_cached_and_uncached_searches_agree():
 
 def test_beam_one_equals_greedy_on_a_model():
     model, params = Transformer(TINY), _params(TINY)
-    greedy, _ = inference.decode(
-        model, params, SRC, search=inference.SearchConfig("greedy", 8), bos_id=BOS, eos_id=EOS
+    greedy, _ = predict.decode(
+        model, params, SRC, search=predict.SearchConfig("greedy", 8), bos_id=BOS, eos_id=EOS
     )
-    beam, _ = inference.decode(
+    beam, _ = predict.decode(
         model,
         params,
         SRC,
-        search=inference.SearchConfig("beam", 8, beam_size=1, alpha=0.0),
+        search=predict.SearchConfig("beam", 8, beam_size=1, alpha=0.0),
         bos_id=BOS,
         eos_id=EOS,
     )
@@ -143,9 +144,11 @@ BEAM_BEATS_GREEDY = {
 
 def test_beam_search_beats_greedy_exactly():
     fn, cache = table_lm(BEAM_BEATS_GREEDY, 4)
-    greedy = decoding.greedy_search(fn, cache, batch_size=1, max_len=4, bos_id=BOS, eos_id=EOS)
+    greedy = autoregressive.greedy_search(
+        fn, cache, batch_size=1, max_len=4, bos_id=BOS, eos_id=EOS
+    )
     assert greedy.tolist() == [[A, C, EOS, 0]]
-    seqs, scores = decoding.beam_search(
+    seqs, scores = autoregressive.beam_search(
         fn, cache, batch_size=1, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     assert seqs[0, 0].tolist() == [B_, EOS, 0, 0]
@@ -153,7 +156,7 @@ def test_beam_search_beats_greedy_exactly():
     # The runner-up is greedy's answer, one token longer.
     assert seqs[0, 1].tolist() == [A, C, EOS, 0]
     assert float(scores[0, 1]) == pytest.approx(math.log(0.6 * 0.55), abs=1e-5)
-    one, _ = decoding.beam_search(
+    one, _ = autoregressive.beam_search(
         fn, cache, batch_size=1, beam_size=1, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     np.testing.assert_array_equal(one[:, 0], greedy)
@@ -168,7 +171,7 @@ def test_beams_finish_at_different_lengths_nbest_sorted():
         (1, C): {EOS: 1.0},
     }
     fn, cache = table_lm(rules, 5)
-    seqs, scores = decoding.beam_search(
+    seqs, scores = autoregressive.beam_search(
         fn, cache, batch_size=1, beam_size=3, max_len=5, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     expected = [([A, A, EOS, 0, 0], 0.5 * 0.8), ([B_, EOS, 0, 0, 0], 0.3), ([C, EOS, 0, 0, 0], 0.2)]
@@ -188,9 +191,9 @@ def test_length_penalty_changes_the_winner():
     }
     fn, cache = table_lm(rules, 6)
     kwargs = dict(batch_size=1, beam_size=2, max_len=6, bos_id=BOS, eos_id=EOS)
-    seqs, scores = decoding.beam_search(fn, cache, alpha=0.0, **kwargs)
+    seqs, scores = autoregressive.beam_search(fn, cache, alpha=0.0, **kwargs)
     assert seqs[0, 0, :2].tolist() == [B_, EOS]
-    seqs, scores = decoding.beam_search(fn, cache, alpha=2.0, **kwargs)
+    seqs, scores = autoregressive.beam_search(fn, cache, alpha=2.0, **kwargs)
     assert seqs[0, 0, :4].tolist() == [A, A, A, EOS]
     lp = ((5 + 4) / 6) ** 2.0
     assert float(scores[0, 0]) == pytest.approx(math.log(0.45) / lp, abs=1e-5)
@@ -205,18 +208,18 @@ def test_beam_search_skips_steps_once_every_beam_finished():
         jax.debug.callback(lambda: calls.append(1))
         return fn(ids, cache)
 
-    seqs, scores = decoding.beam_search(
+    seqs, scores = autoregressive.beam_search(
         recording, cache, batch_size=2, beam_size=2, max_len=32, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     jax.effects_barrier()
-    assert len(calls) == decoding.SKIP_CHUNK  # the first chunk only, not all 32 steps
+    assert len(calls) == autoregressive.SKIP_CHUNK  # the first chunk only, not all 32 steps
     assert seqs[0, 0, :2].tolist() in ([A, EOS], [B_, EOS])
     np.testing.assert_allclose(scores, math.log(0.5), atol=1e-6)
 
 
 def test_min_len_forbids_early_eos():
     fn, cache = table_lm({(0, BOS): {EOS: 0.9, A: 0.1}, (1, A): {EOS: 1.0}}, 3)
-    out = decoding.greedy_search(
+    out = autoregressive.greedy_search(
         fn, cache, batch_size=1, max_len=3, bos_id=BOS, eos_id=EOS, min_len=1
     )
     assert out.tolist() == [[A, EOS, 0]]
@@ -224,10 +227,10 @@ def test_min_len_forbids_early_eos():
 
 def test_batch_rows_are_independent_in_beam_search():
     fn, cache = table_lm(BEAM_BEATS_GREEDY, 4)
-    one, s1 = decoding.beam_search(
+    one, s1 = autoregressive.beam_search(
         fn, cache, batch_size=1, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.6
     )
-    three, s3 = decoding.beam_search(
+    three, s3 = autoregressive.beam_search(
         fn, cache, batch_size=3, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.6
     )
     for row in range(3):
@@ -250,7 +253,7 @@ ROW = [-1.0, 0.5, -2.0, 0.0, 2.0, 1.0, 1.5]  # distinct; order: 4 > 6 > 5 > 1 > 
 
 def test_top_k_never_leaves_the_allowed_set():
     fn, cache = _constant_lm(ROW, 4000)
-    out = decoding.sample_search(
+    out = autoregressive.sample_search(
         fn,
         cache,
         batch_size=4000,
@@ -270,7 +273,7 @@ def test_top_p_never_leaves_the_nucleus():
     cum = np.cumsum(probs[order])
     nucleus = set(order[: int(np.searchsorted(cum, 0.8)) + 1].tolist())
     fn, cache = _constant_lm(ROW, 4000)
-    out = decoding.sample_search(
+    out = autoregressive.sample_search(
         fn,
         cache,
         batch_size=4000,
@@ -288,16 +291,16 @@ def test_top_p_never_leaves_the_nucleus():
 def test_sampling_is_reproducible_and_temperature_zero_is_greedy():
     fn, cache = _constant_lm(ROW, 64)
     kw = dict(batch_size=64, max_len=5, bos_id=BOS, eos_id=-1, temperature=1.0)
-    a = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
-    b = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
-    c = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(8), **kw)
+    a = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    b = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    c = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(8), **kw)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     assert len(np.unique(np.asarray(a))) > 3  # it really samples
     kw["temperature"] = 0.0
-    g = decoding.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    g = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
     assert np.all(np.asarray(g) == 4)
     with pytest.raises(ValueError, match="rng"):
-        decoding.sample_search(
+        autoregressive.sample_search(
             fn, cache, batch_size=2, max_len=1, bos_id=BOS, eos_id=EOS, temperature=0.5
         )

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import dropout
 from flaxformer_lite.config import ConfigError, TransformerConfig
+from flaxformer_lite.nn import dropout
 
 SHAPE = (64, 128, 128)  # 1M elements: the keep rate is known to ~0.0003 (1 sigma)
 

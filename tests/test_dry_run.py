@@ -4,7 +4,8 @@ import pytest
 from conftest import ROOT  # noqa: F401  (puts configs/ on the path)
 
 from configs import default, wmt14_ende_base, wmt14_ende_big
-from flaxformer_lite import dry_run, run_config
+from flaxformer_lite import run_config
+from flaxformer_lite.tools import dry_run
 
 
 def analytic_count(m) -> int:

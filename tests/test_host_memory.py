@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from flaxformer_lite import host_memory
+from flaxformer_lite.tools import host_memory
 
 needs_glibc = pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc malloc")
 
@@ -21,7 +21,7 @@ needs_glibc = pytest.mark.skipif(host_memory._glibc() is None, reason="needs gli
 _PROBE = """
 import json, resource, sys
 sys.path.insert(0, {root!r})
-from flaxformer_lite import host_memory
+from flaxformer_lite.tools import host_memory
 applied = host_memory.configure({mode!r})
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.sum(jnp.cumsum(x, axis=0) * jnp.cumsum(x, axis=1)))

@@ -8,14 +8,15 @@ import numpy as np
 import optax
 import pytest
 
-from flaxformer_lite import losses, optim
+from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.training import optim
 
 
 def test_label_smoothed_loss_equals_hand_computation():
     logits = jnp.array([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4]]])  # [1, 2, V=4]
     labels = jnp.array([[2, 0]])  # second position is padding
     eps = 0.1
-    smoothed, nll = losses.cross_entropy(logits, labels, eps)
+    smoothed, nll = cross_entropy.cross_entropy(logits, labels, eps)
     row = np.array([2.0, 0.5, -1.0, 0.0])
     log_p = row - math.log(np.exp(row).sum())
     q = np.full(4, eps / 3)
@@ -29,9 +30,9 @@ def test_smoothed_loss_equals_the_explicit_target_distribution():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(3, 7, 50)) * 3.0, jnp.float32)
     labels = jnp.asarray(rng.integers(1, 50, size=(3, 7)))
-    q = losses.smoothed_targets(labels, 50, 0.2)  # [B, T, V]
+    q = cross_entropy.smoothed_targets(labels, 50, 0.2)  # [B, T, V]
     want = -jnp.sum(q * jax.nn.log_softmax(logits), axis=-1)
-    smoothed, _ = losses.cross_entropy(logits, labels, 0.2)
+    smoothed, _ = cross_entropy.cross_entropy(logits, labels, 0.2)
     np.testing.assert_allclose(smoothed, want, rtol=1e-5)
 
 
@@ -48,13 +49,13 @@ def test_hand_written_gradient_equals_autodiff_of_the_definition(eps):
     def reference(x):
         weights = (labels != 0).astype(jnp.float32)
         log_p = jax.nn.log_softmax(x)
-        q = losses.smoothed_targets(labels, 40, eps)
+        q = cross_entropy.smoothed_targets(labels, 40, eps)
         smoothed = -jnp.sum(q * log_p, axis=-1) * weights
         nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0] * weights
         return jnp.sum(w_s * smoothed) + w_n * jnp.sum(nll)
 
     def ours(x):
-        smoothed, nll = losses.cross_entropy(x, labels, eps)
+        smoothed, nll = cross_entropy.cross_entropy(x, labels, eps)
         return jnp.sum(w_s * smoothed) + w_n * jnp.sum(nll)
 
     np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-5)
@@ -66,7 +67,7 @@ def test_hand_written_gradient_equals_autodiff_of_the_definition(eps):
 def test_gradient_flows_back_to_bfloat16_logits():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 16)), jnp.bfloat16)
     labels = jnp.array([[1, 2, 3], [4, 5, 0]])
-    grad = jax.grad(lambda x: losses.cross_entropy(x, labels, 0.1)[0].sum())(logits)
+    grad = jax.grad(lambda x: cross_entropy.cross_entropy(x, labels, 0.1)[0].sum())(logits)
     assert grad.dtype == jnp.bfloat16 and grad.shape == logits.shape
     assert np.all(np.isfinite(np.asarray(grad, np.float32)))
 
@@ -75,7 +76,7 @@ def test_no_smoothing_is_plain_cross_entropy():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(3, 5, 11)), jnp.float32)
     labels = jnp.asarray(rng.integers(1, 11, size=(3, 5)))
-    smoothed, nll = losses.cross_entropy(logits, labels, 0.0)
+    smoothed, nll = cross_entropy.cross_entropy(logits, labels, 0.0)
     ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     np.testing.assert_allclose(smoothed, ref, rtol=1e-6)
     np.testing.assert_allclose(nll, ref, rtol=1e-6)
@@ -84,12 +85,12 @@ def test_no_smoothing_is_plain_cross_entropy():
 def test_metric_sums_count_tokens_and_sequences():
     logits = jnp.array(np.eye(4)[[[1, 2, 3], [1, 1, 0], [0, 0, 0]]] * 5.0)  # argmax = index
     labels = jnp.array([[1, 2, 3], [1, 2, 0], [0, 0, 0]])  # row 2 is a padding row
-    sums = losses.metrics_sums(logits, labels, 0.0)
+    sums = cross_entropy.metrics_sums(logits, labels, 0.0)
     assert float(sums["tokens"]) == 5.0
     assert float(sums["correct"]) == 4.0
     assert float(sums["sequences"]) == 2.0
     assert float(sums["seq_correct"]) == 1.0
-    summary = losses.summarize({k: float(v) for k, v in sums.items()})
+    summary = cross_entropy.summarize({k: float(v) for k, v in sums.items()})
     assert summary["token_accuracy"] == pytest.approx(0.8)
     assert summary["perplexity"] == pytest.approx(math.exp(summary["nll"]))
 
@@ -100,12 +101,12 @@ def test_packed_sequence_accuracy_counts_each_segment():
     predicted = jnp.array([[1, 2, 1, 1, 2, 0], [3, 3, 3, 3, 0, 0]])
     segments = jnp.array([[1, 1, 2, 3, 3, 0], [1, 1, 1, 1, 0, 0]])
     logits = jnp.array(np.eye(4)[predicted] * 5.0)
-    sums = losses.metrics_sums(logits, labels, 0.0, segments)
+    sums = cross_entropy.metrics_sums(logits, labels, 0.0, segments)
     assert float(sums["sequences"]) == 4.0  # examples, not rows
     assert float(sums["seq_correct"]) == 3.0  # segment 2 of row 0 is wrong
     assert float(sums["tokens"]) == 9.0 and float(sums["correct"]) == 8.0
     # Without segments each row is one sequence: row 0 counts as wrong.
-    assert float(losses.metrics_sums(logits, labels, 0.0)["seq_correct"]) == 1.0
+    assert float(cross_entropy.metrics_sums(logits, labels, 0.0)["seq_correct"]) == 1.0
 
 
 @pytest.mark.parametrize("step", [1, 100, 3999, 4000, 4001, 100000])

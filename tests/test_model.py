@@ -9,8 +9,8 @@ import pytest
 from flax import linen as nn
 
 from flaxformer_lite.config import ConfigError, TransformerConfig
-from flaxformer_lite.layers import Dense, Embed, project, sinusoidal_positions
-from flaxformer_lite.model import Transformer, shift_right
+from flaxformer_lite.models.transformer import Transformer, shift_right
+from flaxformer_lite.nn.layers import Dense, Embed, project, sinusoidal_positions
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -157,7 +157,7 @@ def test_bad_model_config_names_the_field(changes, words):
 
 def test_packed_rows_equal_separate_rows():
     """Two examples packed into one row give the logits (and loss) of two padded rows."""
-    from flaxformer_lite import losses
+    from flaxformer_lite.objectives import cross_entropy
 
     src_a, src_b = [5, 6, 7, 3], [9, 10, 3]
     tgt_a, tgt_b = [11, 12, 3], [13, 14, 15, 3]
@@ -181,8 +181,8 @@ def test_packed_rows_equal_separate_rows():
         packed = model.apply({"params": params}, packed_src, dec_in, packing=packing)
         np.testing.assert_allclose(packed[0, :3], sep[0, :3], atol=1e-5)
         np.testing.assert_allclose(packed[0, 3:], sep[1, :4], atol=1e-5)
-        loss_sep = losses.cross_entropy(sep, sep_tgt, 0.1)[0].sum()
-        loss_packed = losses.cross_entropy(packed, packed_tgt, 0.1)[0].sum()
+        loss_sep = cross_entropy.cross_entropy(sep, sep_tgt, 0.1)[0].sum()
+        loss_packed = cross_entropy.cross_entropy(packed, packed_tgt, 0.1)[0].sum()
         assert float(loss_packed) == pytest.approx(float(loss_sep), rel=1e-5)
 
 

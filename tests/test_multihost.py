@@ -30,7 +30,7 @@ SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {root!r} + "/tests")
-from flaxformer_lite import partitioning
+from flaxformer_lite.parallel import partitioning
 partitioning.initialize_distributed(
     {address!r}, {processes}, {index}, local_device_count={local},
     initialization_timeout_s=60, heartbeat_timeout_s={heartbeat}, shutdown_timeout_s=30,
@@ -38,7 +38,7 @@ partitioning.initialize_distributed(
 import jax
 import numpy as np
 from conftest import tiny_config
-from flaxformer_lite import train_lib
+from flaxformer_lite.training import loop
 assert jax.device_count() == {processes} * {local}, jax.devices()
 {body}
 """
@@ -47,10 +47,10 @@ assert jax.device_count() == {processes} * {local}, jax.devices()
 TRAIN = """
 import json
 config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8)
-results = train_lib.train_and_evaluate(config, {workdir!r}, log=print)
+results = loop.train_and_evaluate(config, {workdir!r}, log=print)
 with open(f"{out}.{{jax.process_index()}}.json", "w") as f:
     json.dump(results, f)
-_, state, _, _ = train_lib.restore_trained({workdir!r})
+_, state, _, _ = loop.restore_trained({workdir!r})
 if jax.process_index() == 0:
     leaves = {{jax.tree_util.keystr(p): np.asarray(x) for p, x in
               jax.tree_util.tree_flatten_with_path(state.params)[0]}}
@@ -60,7 +60,7 @@ if jax.process_index() == 0:
 # Trains "forever" (until a peer is killed).
 TRAIN_LONG = """
 config = tiny_config({tfds!r}, num_steps=100_000, checkpoint_every=0, log_every=1)
-train_lib.train_and_evaluate(config, {workdir!r})
+loop.train_and_evaluate(config, {workdir!r})
 """
 
 

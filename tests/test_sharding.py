@@ -16,19 +16,20 @@ import numpy as np
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {root!r} + "/tests")
 from conftest import tiny_config
-from flaxformer_lite import partitioning, train_lib
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training import loop
 assert jax.device_count() == {devices}, jax.devices()
 config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8)
 config.mesh.fsdp, config.mesh.model = {fsdp}, {model}
-train_lib.train_and_evaluate(config, {workdir!r}, log=lambda s: None)
+loop.train_and_evaluate(config, {workdir!r}, log=lambda s: None)
 # The layout training used: a feed-forward kernel [D, F] is split as declared.
-model, _, _, _ = train_lib.restore_trained({workdir!r})
-abstract = train_lib.abstract_state(model, train_lib.make_optimizer(config, model.config)[1],
+model, _, _, _ = loop.restore_trained({workdir!r})
+abstract = loop.abstract_state(model, loop.make_optimizer(config, model.config)[1],
                                     0, 10, 16)
 shardings = partitioning.logical_shardings(abstract, partitioning.mesh_from_config(config))
 kernel = shardings.params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"]
 assert kernel.shard_shape((32, 64)) == (32 // {fsdp}, 64 // {model}), kernel
-_, state, _, _ = train_lib.restore_trained({workdir!r})
+_, state, _, _ = loop.restore_trained({workdir!r})
 leaves = {{jax.tree_util.keystr(p): np.asarray(x) for p, x in
           jax.tree_util.tree_flatten_with_path(state.params)[0]}}
 np.savez({out!r}, **leaves)
@@ -77,17 +78,18 @@ TENSOR_PARALLEL_SCRIPT = """
 import re, sys
 import jax, numpy as np, optax
 sys.path.insert(0, {root!r})
-from flaxformer_lite import partitioning, train_lib
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training import loop
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.model import Transformer
+from flaxformer_lite.models.transformer import Transformer
 config = TransformerConfig(vocab_size=64, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
                            num_decoder_layers=1, max_len=16, dropout_rate=0.1)
 model, tx = Transformer(config), optax.adam(1e-3)
 mesh = partitioning.make_mesh(model=2)
-state, shardings = train_lib.create_state(model, tx, mesh, seed=0, source_len=6, target_len=6)
+state, shardings = loop.create_state(model, tx, mesh, seed=0, source_len=6, target_len=6)
 tokens = np.ones((2, 6), np.int32)
 batch = partitioning.put_batch({{"inputs": tokens, "targets": tokens}}, mesh)
-step = train_lib.jit_train_step(model, tx, mesh, shardings, label_smoothing=0.1, bos_id=1)
+step = loop.jit_train_step(model, tx, mesh, shardings, label_smoothing=0.1, bos_id=1)
 hlo = step.lower(state, batch).compile().as_text()
 gathered = [int(np.prod([int(d) for d in dims.split(",") if d]))
             for dims in re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather(?:-start)?\\(", hlo)]

@@ -16,9 +16,10 @@ import pytest
 from conftest import ROOT
 
 import flaxformer_lite
-from flaxformer_lite import benchmark, losses
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.model import Transformer, shift_right
+from flaxformer_lite.models.transformer import Transformer, shift_right
+from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.tools import benchmark
 
 TINY = TransformerConfig(
     vocab_size=40,
@@ -34,7 +35,7 @@ TINY = TransformerConfig(
 @pytest.fixture
 def torch_baseline():
     pytest.importorskip("torch")
-    from flaxformer_lite import torch_baseline
+    from flaxformer_lite.tools import torch_baseline
 
     torch_baseline.setup(threads=1)  # the test machine's cores are shared
     return torch_baseline
@@ -81,7 +82,7 @@ def test_same_logits_and_loss_with_our_parameters(torch_baseline, norm, activati
 
         labels = torch.from_numpy(tgt).long()
         total, tokens = torch_baseline.loss_sums(theirs, labels, 0.1)
-        smoothed, _ = losses.cross_entropy(jnp.asarray(theirs.numpy()), tgt, 0.1)
+        smoothed, _ = cross_entropy.cross_entropy(jnp.asarray(theirs.numpy()), tgt, 0.1)
         assert tokens.item() == real.sum()
         assert total.item() == pytest.approx(float(smoothed.sum()), rel=1e-5)
 
@@ -136,7 +137,7 @@ def test_compiled_baseline_trains(torch_baseline):
 def no_torch(monkeypatch):
     """Makes `import torch` fail as when it is not installed."""
     monkeypatch.setitem(sys.modules, "torch", None)
-    monkeypatch.delitem(sys.modules, "flaxformer_lite.torch_baseline", raising=False)
+    monkeypatch.delitem(sys.modules, "flaxformer_lite.tools.torch_baseline", raising=False)
     monkeypatch.delattr(flaxformer_lite, "torch_baseline", raising=False)
 
 

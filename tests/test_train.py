@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from flaxformer_lite import checkpoints, train_lib
-from flaxformer_lite.checkpoints import CheckpointIntegrityError, WorkdirError
+from flaxformer_lite.training import checkpoints, loop
+from flaxformer_lite.training.checkpoints import CheckpointIntegrityError, WorkdirError
 
 
 def _train_records(workdir):
@@ -20,7 +20,7 @@ def _train_records(workdir):
 def test_tiny_config_learns(tfds_dir, tmp_path):
     config = tiny_config(tfds_dir, num_steps=300, log_every=25)
     config.optim.learning_rate = 5e-3
-    results = train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
+    results = loop.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
     records = _train_records(tmp_path / "run")
     first, last = records[0]["nll"], records[-1]["nll"]
     assert last < 0.25 * first, (first, last)
@@ -34,14 +34,14 @@ def test_tiny_config_learns(tfds_dir, tmp_path):
 def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     quiet = lambda s: None  # noqa: E731
-    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), straight, log=quiet)
-    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), resumed, log=quiet)
+    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), straight, log=quiet)
+    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), resumed, log=quiet)
     messages = []
-    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), resumed, log=messages.append)
+    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), resumed, log=messages.append)
     assert any("resumed from step 10" in m for m in messages)
 
-    _, a, _, _ = train_lib.restore_trained(straight)
-    _, b, _, _ = train_lib.restore_trained(resumed)
+    _, a, _, _ = loop.restore_trained(straight)
+    _, b, _, _ = loop.restore_trained(resumed)
     assert int(a.step) == int(b.step) == 20
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
@@ -56,7 +56,7 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
 def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
     quiet = lambda s: None  # noqa: E731
-    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=quiet)
+    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=quiet)
     ckpt = checkpoints.Checkpointer(workdir, keep=5, save_every=0)
     data = ckpt.read_meta(10)["data"]
     ckpt.close()
@@ -64,7 +64,7 @@ def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
     assert data["identity"]["train_examples"] == 160 and data["identity"]["batch_size"] == 16
     # Resuming with batches of another size is allowed, with a warning saying what changed.
     messages = []
-    train_lib.train_and_evaluate(
+    loop.train_and_evaluate(
         tiny_config(tfds_dir, num_steps=12, batch_size=32), workdir, log=messages.append
     )
     warnings = [m for m in messages if m.startswith("warning: the training data changed")]
@@ -73,12 +73,12 @@ def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
 
 def test_workdir_with_other_model_is_refused_and_kept(tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
-    train_lib.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=lambda s: None)
+    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=lambda s: None)
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
     other = tiny_config(tfds_dir, num_steps=20)
     other.model.d_ff = 128
     with pytest.raises(WorkdirError, match="d_ff"):
-        train_lib.train_and_evaluate(other, workdir, log=lambda s: None)
+        loop.train_and_evaluate(other, workdir, log=lambda s: None)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
 
 
@@ -87,13 +87,13 @@ def test_foreign_directory_is_refused(tfds_dir, tmp_path):
     workdir.mkdir()
     (workdir / "notes.txt").write_text("precious")
     with pytest.raises(WorkdirError, match="not empty"):
-        train_lib.train_and_evaluate(tiny_config(tfds_dir), str(workdir), log=lambda s: None)
+        loop.train_and_evaluate(tiny_config(tfds_dir), str(workdir), log=lambda s: None)
     assert (workdir / "notes.txt").read_text() == "precious"
     assert sorted(os.listdir(workdir)) == ["notes.txt"]
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(WorkdirError, match="is a file"):
-        train_lib.train_and_evaluate(tiny_config(tfds_dir), str(a_file), log=lambda s: None)
+        loop.train_and_evaluate(tiny_config(tfds_dir), str(a_file), log=lambda s: None)
 
 
 def test_corrupted_checkpoint_is_detected(tmp_path):
@@ -145,7 +145,7 @@ def test_local_corpus_with_bucketed_or_packed_batches(tfds_dir, tmp_path, batchi
     d.split_names = {"validation": "dev"}
     d.batching, d.max_tokens = batching, 64
     messages = []
-    results = train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=messages.append)
+    results = loop.train_and_evaluate(config, str(tmp_path / "run"), log=messages.append)
     assert results["step"] == 12
     assert "validation_bleu" in results and "validation_chrf" in results
     assert "test_loss" not in results  # the corpus has no test split

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flaxformer_lite import partitioning, train_lib
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.model import Transformer
+from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training import loop
 
 CFG = TransformerConfig(
     vocab_size=50,
@@ -44,7 +45,7 @@ def _state(name):
     """One initial state per optimiser: parameters are float32 whatever the compute dtype."""
     if name not in _STATES:
         tx = {"sgd": SGD, "adam": ADAM}[name]
-        _STATES[name], _ = train_lib.create_state(
+        _STATES[name], _ = loop.create_state(
             Transformer(CFG), tx, partitioning.make_mesh(1), seed=0, source_len=9, target_len=7
         )
     return _STATES[name]
@@ -53,7 +54,7 @@ def _state(name):
 def _step(cfg, tx, accum):
     return jax.jit(
         functools.partial(
-            train_lib.train_step,
+            loop.train_step,
             model=Transformer(cfg),
             tx=tx,
             label_smoothing=0.1,

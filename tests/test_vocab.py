@@ -81,31 +81,32 @@ def _separate_config(tfds_dir, **train):
 
 
 def test_shared_embeddings_with_separate_vocabularies_is_refused(tfds_dir, tmp_path):
-    from flaxformer_lite import train_lib
+    from flaxformer_lite.training import loop
 
     config = _separate_config(tfds_dir)
     config.model.share_embeddings = True
     with pytest.raises(ConfigError, match="share_embeddings=False"):
-        train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
+        loop.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
     config = tiny_config(tfds_dir)
     config.data.target_vocab_size = 80
     with pytest.raises(ConfigError, match="shared_vocab=False"):
-        train_lib.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
+        loop.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
     assert not os.path.exists(tmp_path / "run")
 
 
 def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path):
-    from flaxformer_lite import decode_lib, train_lib
+    from flaxformer_lite.training import loop
+    from flaxformer_lite.translate import runner
 
     workdir = str(tmp_path / "run")
     config = _separate_config(tfds_dir, num_steps=10, checkpoint_every=10)
-    results = train_lib.train_and_evaluate(config, workdir, log=lambda s: None)
+    results = loop.train_and_evaluate(config, workdir, log=lambda s: None)
     assert results["step"] == 10
     assert {SOURCE_VOCAB_FILE, TARGET_VOCAB_FILE} <= set(os.listdir(workdir))
     assert SHARED_VOCAB_FILE not in os.listdir(workdir)
 
-    run_config, vocab = decode_lib.open_workdir(workdir)
-    model, state, restored_vocab, _ = train_lib.restore_trained(workdir)
+    run_config, vocab = runner.open_workdir(workdir)
+    model, state, restored_vocab, _ = loop.restore_trained(workdir)
     assert restored_vocab == vocab and not vocab.shared
     source_size, target_size = vocab.source.vocab_size, vocab.target.vocab_size
     assert source_size != target_size
@@ -115,8 +116,8 @@ def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path):
     assert embeddings["source_embedding"]["embedding"].shape == (source_size, 32)
     assert embeddings["target_embedding"]["embedding"].shape == (target_size, 32)
 
-    search = decode_lib.make_search(run_config, beam_size=1)
-    result = decode_lib.decode_lines(
+    search = runner.make_search(run_config, beam_size=1)
+    result = runner.decode_lines(
         model, state.params, vocab, run_config, ["en 12", "", "de 7"], search=search
     )
     assert len(result.texts) == 3 and result.texts[1] == ""
@@ -127,6 +128,4 @@ def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path):
 
     # The same workdir with a shared-vocabulary config is refused, not reinterpreted.
     with pytest.raises(ConfigError, match="separate vocabularies"):
-        train_lib.train_and_evaluate(
-            tiny_config(tfds_dir, num_steps=20), workdir, log=lambda s: None
-        )
+        loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), workdir, log=lambda s: None)

@@ -29,10 +29,7 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-PAD_ID: int = 0
-UNK_ID: int = 1
-BOS_ID: int = 2
-EOS_ID: int = 3
+from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
 
 _MODEL_TYPES = ("unigram", "bpe", "char", "word")
 

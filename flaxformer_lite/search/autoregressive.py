@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import PAD_ID
+from flaxformer_lite.constants import PAD_ID
 
 NEG_INF = -1.0e7  # log-probability of an impossible candidate; finite so sums stay ordered
 SKIP_CHUNK = 8  # beam search checks for early exit every this many steps (or a divisor)

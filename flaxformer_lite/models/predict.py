@@ -18,8 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite import decoding
-from flaxformer_lite.model import Transformer, init_cache
+from flaxformer_lite.models.transformer import Transformer, init_cache
+from flaxformer_lite.search import autoregressive
 
 
 def _repeat_rows(tree, times: int):
@@ -166,11 +166,11 @@ def decode(
         first_tokens=first,
     )
     if search.method == "beam":
-        return decoding.beam_search(
+        return autoregressive.beam_search(
             step, cache, batch_size=batch, beam_size=beams, alpha=search.alpha, **common
         )
     if search.method == "sample":
-        tokens = decoding.sample_search(
+        tokens = autoregressive.sample_search(
             step,
             cache,
             batch_size=batch,
@@ -181,7 +181,7 @@ def decode(
             **common,
         )
     elif search.method == "greedy":
-        tokens = decoding.greedy_search(step, cache, batch_size=batch, **common)
+        tokens = autoregressive.greedy_search(step, cache, batch_size=batch, **common)
     else:
         raise ValueError(f"unknown search method {search.method!r}: greedy, sample or beam")
     return tokens[:, None, :], jnp.zeros((batch, 1), jnp.float32)

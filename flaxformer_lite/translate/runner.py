@@ -24,9 +24,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from flaxformer_lite import checkpoints, inference
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies
+from flaxformer_lite.models import predict
+from flaxformer_lite.training import checkpoints
 
 # Every character that some reader treats as a line break, plus the n-best field separator.
 _SEPARATORS = str.maketrans({c: " " for c in "\t\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -162,7 +163,7 @@ def make_search(
     max_len: int | None = None,
     min_len: int = 0,
     nbest: int = 1,
-) -> inference.SearchConfig:
+) -> predict.SearchConfig:
     """The search of the decoding flags: temperature > 0 samples, else beam_size > 1 runs
     beam search, else greedy. `max_len` None means the run's data.max_target_len.
 
@@ -190,7 +191,7 @@ def make_search(
         raise InputError(
             f"--nbest {nbest} needs beam search with --beam_size >= {nbest} and --temperature 0"
         )
-    return inference.SearchConfig(
+    return predict.SearchConfig(
         method=method,
         max_len=max_len,
         beam_size=beam_size if method == "beam" else 1,
@@ -313,7 +314,7 @@ def decode_lines(
     run_config: dict,
     lines: Sequence[str] | Sources,
     *,
-    search: inference.SearchConfig,
+    search: predict.SearchConfig,
     batch_size: int = 32,
     nbest: int = 1,
     seed: int = 0,
@@ -374,7 +375,7 @@ def decode_lines(
             inputs[row, : lengths[i]] = sources.ids[i]
         result.batch_shapes.add(inputs.shape)
         rng = jax.random.fold_in(base_rng, b) if search.method == "sample" else None
-        out = inference.decode(
+        out = predict.decode(
             model, params, inputs, search=search, bos_id=BOS_ID, eos_id=EOS_ID, rng=rng
         )
         # Dispatch is asynchronous: detokenize the previous batch while this one runs.
@@ -446,7 +447,7 @@ def save_attention_pngs(
     import jax
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    from flaxformer_lite.model import Transformer
+    from flaxformer_lite.models.transformer import Transformer
 
     num_layers = model.config.num_decoder_layers
     check_attention_layer(layer, num_layers)

@@ -39,15 +39,15 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.attention import PAD_ID
 from flaxformer_lite.config import ConfigError, TransformerConfig
+from flaxformer_lite.constants import PAD_ID
 
 try:
     import torch
     from torch import nn
 except ImportError as e:  # optional dependency: say how to get it
     raise ImportError(
-        'flaxformer_lite.torch_baseline needs PyTorch; pip install -e ".[torch]"'
+        'flaxformer_lite.tools.torch_baseline needs PyTorch; pip install -e ".[torch]"'
     ) from e
 
 

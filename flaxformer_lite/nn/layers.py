@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.dropout import Dropout
+from flaxformer_lite.nn.dropout import Dropout
 
 
 def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:

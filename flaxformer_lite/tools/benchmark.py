@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite import inference
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.model import Transformer, init_cache
+from flaxformer_lite.constants import BOS_ID, EOS_ID
+from flaxformer_lite.models import predict
+from flaxformer_lite.models.transformer import Transformer, init_cache
 
-BOS, EOS = 2, 3
+BOS, EOS = BOS_ID, EOS_ID
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
@@ -116,8 +117,8 @@ def decode_benchmark(
     results: dict[str, float] = {}
 
     def search(method: str, **kw):
-        cfg = inference.SearchConfig(method, new_tokens, min_len=new_tokens, **kw)
-        fn = functools.partial(inference.decode, model, search=cfg, bos_id=BOS, eos_id=EOS)
+        cfg = predict.SearchConfig(method, new_tokens, min_len=new_tokens, **kw)
+        fn = functools.partial(predict.decode, model, search=cfg, bos_id=BOS, eos_id=EOS)
         return fn
 
     runs = [("greedy", search("greedy")), (f"beam{beam_size}", search("beam", beam_size=beam_size))]
@@ -125,7 +126,7 @@ def decode_benchmark(
         runs.append(("greedy_uncached", search("greedy", cached=False)))
     for name, fn in runs:
         results[f"{name}_compile_s"] = _compile_seconds(
-            inference.decode,
+            predict.decode,
             model,
             params,
             inputs,
@@ -204,8 +205,8 @@ def _library_train_step(
 ) -> tuple[Callable[[], dict[str, jax.Array]], dict[str, float]]:
     """Our jitted train step on one fixed batch.
 
-    The step is the library's own (`train_lib.train_step`, Adam(0.9, 0.98,
-    1e-9), label smoothing 0.1), jitted as in training (`train_lib.jit_train_step`).
+    The step is the library's own (`loop.train_step`, Adam(0.9, 0.98,
+    1e-9), label smoothing 0.1), jitted as in training (`loop.jit_train_step`).
 
     Args:
       arrays: `_random_batch` output.
@@ -214,17 +215,18 @@ def _library_train_step(
     """
     import optax
 
-    from flaxformer_lite import partitioning, train_lib
+    from flaxformer_lite.parallel import partitioning
+    from flaxformer_lite.training import loop
 
     model = Transformer(config)
     tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
     mesh = partitioning.make_mesh()
     source_len, target_len = arrays["inputs"].shape[1], arrays["targets"].shape[1]
-    state, shardings = train_lib.create_state(
+    state, shardings = loop.create_state(
         model, tx, mesh, seed=0, source_len=source_len, target_len=target_len
     )
     batch_arrays = partitioning.put_batch(arrays, mesh)
-    step = train_lib.jit_train_step(model, tx, mesh, shardings, label_smoothing=0.1, bos_id=BOS)
+    step = loop.jit_train_step(model, tx, mesh, shardings, label_smoothing=0.1, bos_id=BOS)
     t0 = time.perf_counter()
     traced = step.trace(state, batch_arrays)
     t1 = time.perf_counter()
@@ -272,8 +274,8 @@ def train_benchmark(
 ) -> dict[str, float]:
     """Trace/lower/compile seconds, median step time, tokens/s, FLOP/s and MFU of training.
 
-    The step is the library's own (`train_lib.train_step`, Adam, label
-    smoothing 0.1, jitted by `train_lib.jit_train_step`), on random tokens without padding.
+    The step is the library's own (`loop.train_step`, Adam, label
+    smoothing 0.1, jitted by `loop.jit_train_step`), on random tokens without padding.
     """
     run, results = _library_train_step(config, _random_batch(config, batch, source_len, target_len))
     seconds, _ = _timed(run, steps)
@@ -332,7 +334,7 @@ def compare_train_benchmark(
       ImportError (saying how to install it) when PyTorch is missing;
       ConfigError for a config `nn.Transformer` cannot express.
     """
-    from flaxformer_lite import torch_baseline  # imports torch; says how to install it
+    from flaxformer_lite.tools import torch_baseline  # imports torch; says how to install it
 
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {baseline!r}")

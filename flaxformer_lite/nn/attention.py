@@ -18,11 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.dropout import Dropout
-from flaxformer_lite.layers import project
-
-PAD_ID = 0  # reserved: never a real token
-
+from flaxformer_lite.constants import PAD_ID
+from flaxformer_lite.nn.dropout import Dropout
+from flaxformer_lite.nn.layers import project
 
 # ----------------------------------------------------------------------------
 # Masks. All are bool, True where a query may attend to a key.

@@ -31,10 +31,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite import attention
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.dropout import Dropout
-from flaxformer_lite.layers import AddPositions, Embed, FeedForward, Residual, layer_norm
+from flaxformer_lite.nn import attention
+from flaxformer_lite.nn.dropout import Dropout
+from flaxformer_lite.nn.layers import AddPositions, Embed, FeedForward, Residual, layer_norm
 
 
 class EncoderLayer(nn.Module):

@@ -25,12 +25,15 @@ import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from flaxformer_lite import checkpoints, inference, losses, optim, partitioning, train_data
 from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.pipeline import make_dataset, texts
-from flaxformer_lite.metric_writer import MetricWriter
-from flaxformer_lite.model import Transformer, shift_right
+from flaxformer_lite.models import predict
+from flaxformer_lite.models.transformer import Transformer, shift_right
+from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training import checkpoints, optim, train_data
+from flaxformer_lite.training.metric_writer import MetricWriter
 
 
 @flax.struct.dataclass
@@ -96,7 +99,7 @@ def _loss_sums(params, batch, *, model, label_smoothing, bos_id, rng):
         rngs={"dropout": rng},
         packing=packing,
     )  # [B, T, V]
-    sums = losses.metrics_sums(logits, batch["targets"], label_smoothing, segments)
+    sums = cross_entropy.metrics_sums(logits, batch["targets"], label_smoothing, segments)
     return sums["loss"], sums
 
 
@@ -123,7 +126,7 @@ def train_step(
         for packed rows also the segment and position fields of `PACKING_KEYS`.
         B must be divisible by `grad_accum_steps`.
     Returns:
-      (new state, metric sums as float32 scalars; see `losses.metrics_sums`).
+      (new state, metric sums as float32 scalars; see `cross_entropy.metrics_sums`).
     """
     rng = jax.random.fold_in(state.rng, state.step)
     grad_fn = jax.grad(
@@ -196,7 +199,7 @@ def eval_step(
 ) -> dict[str, jax.Array]:
     """Teacher-forced metric sums on one batch (padding rows contribute nothing)."""
     logits = model.apply({"params": params}, batch["inputs"], shift_right(batch["targets"], bos_id))
-    return losses.metrics_sums(logits, batch["targets"], label_smoothing)
+    return cross_entropy.metrics_sums(logits, batch["targets"], label_smoothing)
 
 
 # ----------------------------------------------------------------------------
@@ -256,7 +259,7 @@ def evaluate(
         )
         hyps.extend(target_vocab.decode_batch(predicted[host["valid"]]))
     refs = references[: len(hyps)]
-    metrics = losses.summarize(totals)
+    metrics = cross_entropy.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
     if bleu:
         import sacrebleu
@@ -448,12 +451,12 @@ def train_and_evaluate(
         ),
         out_shardings=partitioning.replicated(mesh),
     )
-    search = inference.SearchConfig(
+    search = predict.SearchConfig(
         t.eval_search, d.max_target_len, beam_size=t.eval_beam_size, alpha=t.eval_alpha
     )
 
     def p_decode(params, inputs):
-        tokens, _ = inference.decode(
+        tokens, _ = predict.decode(
             model,
             params,
             inputs,
@@ -522,7 +525,7 @@ def train_and_evaluate(
         if done % t.log_every == 0 or done == t.num_steps:
             fetched = jax.device_get(sums_acc)
             elapsed = time.perf_counter() - t_log
-            metrics = losses.summarize(fetched)
+            metrics = cross_entropy.summarize(fetched)
             # grad_norm is summed over the steps since the last record: report the mean.
             metrics["grad_norm"] = float(fetched["grad_norm"]) / (done - last_logged)
             metrics["tokens_per_sec"] = float(fetched["tokens"]) / elapsed

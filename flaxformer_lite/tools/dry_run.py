@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from flaxformer_lite import run_config as run_config_lib
-from flaxformer_lite.model import Transformer
+from flaxformer_lite.models.transformer import Transformer
 
 
 def abstract_params(config: ml_collections.ConfigDict):

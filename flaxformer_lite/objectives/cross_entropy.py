@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import PAD_ID
+from flaxformer_lite.constants import PAD_ID
 
 
 def smoothed_targets(labels: jax.Array, vocab_size: int, label_smoothing: float) -> jax.Array:
