@@ -45,6 +45,7 @@ class TransformerConfig:
 
     vocab_size: int = 37000  # source vocabulary (the shared one when share_embeddings)
     target_vocab_size: int | None = None  # None: same vocabulary as the source
+    input_features: int = 0  # 0: the encoder reads token ids; > 0: float features of this size
     share_embeddings: bool = True  # one matrix for encoder input, decoder input, softmax (§3.4)
     tie_output_embedding: bool = True  # decoder input embedding reused as pre-softmax weights
     d_model: int = 512
@@ -80,6 +81,11 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.input_features, int) or self.input_features < 0:
+            raise ConfigError(
+                f"model.input_features must be 0 (token ids) or a feature size, "
+                f"got {self.input_features!r}"
+            )
         if self.target_vocab_size is not None and self.target_vocab_size < 1:
             raise ConfigError(
                 f"model.target_vocab_size must be a positive integer or None, "

@@ -1,6 +1,8 @@
-"""Model properties: padding and causality, positions, parameter counts."""
+"""Model properties: padding and causality, positions, packing, scan, attention weights."""
 
+import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +11,10 @@ import pytest
 from flax import linen as nn
 
 from flaxformer_lite.config import ConfigError, TransformerConfig
-from flaxformer_lite.models.transformer import Transformer, shift_right
-from flaxformer_lite.nn.layers import Dense, Embed, project, sinusoidal_positions
+from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
+from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.nn.embeddings import Embed, sinusoidal_positions
+from flaxformer_lite.nn.layers import Dense, project
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -88,7 +92,9 @@ def test_decoder_is_causal_by_gradient():
             return next_fun(*args, **kwargs)
 
         with nn.intercept_methods(intercept):
-            logits = model.apply({"params": params}, encoded, SRC, TGT, method=Transformer.decode)
+            logits = model.apply(
+                {"params": params}, encoded, SRC != 0, TGT, method=Transformer.decode
+            )
         return logits.sum(axis=(0, 2))  # [T]
 
     jac = np.asarray(jax.jit(jax.jacrev(per_step_logit_sums))(embedded))  # [T, B, T, D]
@@ -257,3 +263,137 @@ def test_dense_has_flax_dense_parameters_and_output():
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, ref_params)
     np.testing.assert_allclose(params["params"]["kernel"], ref_params["params"]["kernel"])
     np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-5)
+
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "param_shapes.json"
+
+
+def test_parameter_paths_and_shapes_are_those_of_existing_checkpoints():
+    """The fixture was recorded from the model before the folders were introduced: every
+    workdir written since restores into today's parameter tree."""
+    recorded = json.loads(FIXTURE.read_text())
+    for name, variant in recorded["variants"].items():
+        changes = dict(variant["config"])
+        if "param_dtype" in changes:
+            changes["param_dtype"] = jnp.dtype(changes["param_dtype"])
+        model = AutoregressiveModel(TransformerConfig(**recorded["base"], **changes))
+        shapes = {"inputs": (1, 7), "targets": (1, 5)}
+        init = lambda m=model, s=shapes: m.init(jax.random.PRNGKey(0), s)
+        tree = nn.meta.unbox(jax.eval_shape(init))
+        flat = {
+            "/".join(k.key for k in path): [list(leaf.shape), jnp.dtype(leaf.dtype).name]
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
+        assert flat == variant["params"], name
+
+
+@pytest.mark.parametrize("dropout_rng", ["hash", "threefry"])
+def test_scan_equals_unrolled_with_dropout(dropout_rng):
+    """The scanned layers draw the dropout keys the unrolled ones draw: same loss and
+    gradients in training mode, so a resume may flip `scan_layers`."""
+    cfg = TINY.replace(dropout_rate=0.3, attention_dropout_rate=0.2, dropout_rng=dropout_rng)
+    batch = {"inputs": SRC, "targets": TGT.at[:, 0].set(7)}
+    params = _init(cfg)
+    key = jax.random.PRNGKey(3)
+    results = []
+    for scan in (False, True):
+        model = AutoregressiveModel(cfg.replace(scan_layers=scan), label_smoothing=0.1)
+        results.append(jax.value_and_grad(lambda p, m=model: m.loss(p, batch, key, 0)[0])(params))
+    (loss_u, grad_u), (loss_s, grad_s) = results
+    no_dropout = AutoregressiveModel(TINY).loss(params, batch, key, 0)[0]
+    assert abs(float(loss_u) - float(no_dropout)) > 1e-3  # dropout is really on
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grad_s), jax.tree.leaves(grad_u), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+LAYERS = ("encoder/self/1", "decoder/self/0", "decoder/cross/-1")
+
+
+def test_attention_weights_on_every_path_inside_a_jitted_train_step():
+    """Cross- and self-attention probabilities read from the unrolled model, with
+    scan_layers and with the fast kernel, inside one jitted gradient step: equal, rows
+    summing to 1, padded source columns exactly 0."""
+    batch = {"inputs": SRC, "targets": TGT.at[:, 0].set(7)}
+    params = _init(TINY)
+    got = {}
+    for mode, cfg in {
+        "unrolled": TINY,
+        "scan": TINY.replace(scan_layers=True),
+        "fast": TINY.replace(attention_impl="fast"),
+    }.items():
+        module = Transformer(cfg, capture=LAYERS)
+
+        def step(p, cfg=cfg, module=module):
+            def loss(p):
+                logits, state = module.apply(
+                    {"params": p}, SRC, shift_right(batch["targets"], 2), mutable="intermediates"
+                )
+                return jnp.sum(logits**2), state["intermediates"]
+
+            grads, sown = jax.grad(loss, has_aux=True)(p)
+            from flaxformer_lite.models.transformer import captured_attention
+
+            return grads, captured_attention(sown, LAYERS, cfg)
+
+        got[mode] = jax.jit(step)(params)[1]
+    for name in LAYERS:
+        w = np.asarray(got["unrolled"][name])
+        assert w.shape[:2] == (2, TINY.num_heads)
+        np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+        for mode in ("scan", "fast"):
+            np.testing.assert_allclose(got[mode][name], w, atol=1e-6, err_msg=f"{mode} {name}")
+    cross = np.asarray(got["unrolled"]["decoder/cross/-1"])  # [B, N, T, S]
+    assert np.all(cross[0, :, :, 4:] == 0.0)  # row 0's two padded source positions
+    # The protocol gives the same weights.
+    proto = AutoregressiveModel(TINY).attention_weights(params, batch, LAYERS)
+    for name in LAYERS:
+        np.testing.assert_allclose(proto[name], got["unrolled"][name], atol=1e-6)
+
+
+def test_bad_attention_layer_name_is_refused():
+    with pytest.raises(ValueError, match="decoder/cross/I"):
+        AutoregressiveModel(TINY).attention_weights(
+            _init(TINY), {"inputs": SRC, "targets": TGT}, ("decoder/cross/7",)
+        )
+
+
+def test_feature_encoder_reads_features_and_validity():
+    """Continuous inputs with a validity array: padded frames change no real output, and
+    the decoder needs no source tokens."""
+    cfg = TINY.replace(input_features=5, share_embeddings=False, target_vocab_size=23)
+    model = AutoregressiveModel(cfg)
+    params = nn.meta.unbox(
+        model.init(jax.random.PRNGKey(0), {"inputs": (1, 6, 5), "targets": (1, 5)})
+    )
+    assert params["encoder"]["input_projection"]["projection"]["kernel"].shape == (5, 16)
+    assert "source_embedding" not in params
+    feats = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, 5)), jnp.float32)
+    valid = jnp.array([[True] * 4 + [False] * 2, [True] * 6])
+    batch = {"inputs": feats, "inputs_valid": valid, "targets": TGT.at[:, 0].set(7)}
+    noisy = dict(batch, inputs=feats.at[0, 4:].set(100.0))
+    tok_a, seq_a = model.score(params, batch)
+    tok_b, seq_b = model.score(params, noisy)
+    np.testing.assert_allclose(seq_a, seq_b, rtol=1e-6)
+    assert np.all(np.asarray(seq_a) < 0)
+    from flaxformer_lite.models.predict import SearchConfig
+
+    tokens, _ = model.predict(params, batch, SearchConfig("greedy", 4))
+    assert tokens.shape == (2, 1, 4)
+
+
+def test_score_is_the_teacher_forced_log_probability():
+    """score() equals log_softmax of the teacher-forced logits at the targets, summed over
+    the real tokens."""
+    params = _init(TINY)
+    targets = jnp.array([[7, 8, 3, 0, 0], [9, 10, 11, 12, 3]])
+    model = AutoregressiveModel(TINY)
+    tokens, sequences = model.score(params, {"inputs": SRC, "targets": targets})
+    logits = Transformer(TINY).apply({"params": params}, SRC, shift_right(targets, 2))
+    lp = np.asarray(jax.nn.log_softmax(logits))
+    for b in range(2):
+        n = int((targets[b] != 0).sum())
+        expected = [lp[b, t, int(targets[b, t])] for t in range(n)]
+        np.testing.assert_allclose(tokens[b, :n], expected, rtol=1e-5)
+        assert np.all(np.asarray(tokens[b, n:]) == 0.0)
+        assert float(sequences[b]) == pytest.approx(sum(expected), rel=1e-5)

@@ -6,8 +6,8 @@ the KV cache in one call, and each step runs the decoder on one new token.
 `full_recompute_step` reruns the whole decoder prefix at every step; it
 exists as the reference for tests and benchmarks.
 
-`decode` is the jitted entry point used by training evaluation, `decode.py`
-and `bench.py`.
+`decode` is the jitted entry point behind the autoregressive model's
+`predict` (`models/autoregressive.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.models.transformer import Transformer, init_cache
+from flaxformer_lite.models.transformer import Transformer, init_cache, token_validity
 from flaxformer_lite.search import autoregressive
 
 
@@ -38,11 +38,13 @@ def cached_step(
     prefix: jax.Array | None = None,
     bos_id: int,
     beams: int = 1,
+    source_valid: jax.Array | None = None,
 ):
     """A KV-cache `tokens_to_logits`, its initial cache and the first tokens to feed.
 
     Args:
-      inputs: int32[B, S] source tokens.
+      inputs: int32[B, S] source tokens (or float[B, S, F] features).
+      source_valid: bool[B, S] (default: inputs != PAD_ID; needed for features).
       max_len: tokens the search will generate.
       prefix: int32[B, P] forced first target tokens (the same length for all
         rows), or None. [BOS, prefix[:-1]] is written into the cache in one
@@ -55,7 +57,8 @@ def cached_step(
     cfg = model.config
     batch = inputs.shape[0]
     variables = {"params": params}
-    encoded = model.apply(variables, inputs, method=Transformer.encode)  # [B, S, D]
+    valid = token_validity(inputs) if source_valid is None else source_valid  # [B, S]
+    encoded = model.apply(variables, inputs, valid, method=Transformer.encode)  # [B, S, D]
     cross_kv = model.apply(variables, encoded, method=Transformer.precompute_cross_kv)
     fill_len = 0 if prefix is None else prefix.shape[1]  # BOS + prefix[:-1]
     cache = init_cache(cfg, batch, fill_len + max_len)
@@ -65,14 +68,14 @@ def cached_step(
         bos = jnp.full((batch, 1), bos_id, jnp.int32)
         fill = jnp.concatenate([bos, prefix[:, :-1].astype(jnp.int32)], axis=1)  # [B, P]
         _, cache = model.apply(
-            variables, fill, cache, cross_kv, inputs, method=Transformer.decode_step
+            variables, fill, cache, cross_kv, valid, method=Transformer.decode_step
         )
         first = prefix[:, -1].astype(jnp.int32)
-    cross_kv, inputs_b, cache = _repeat_rows((cross_kv, inputs, cache), beams)
+    cross_kv, valid_b, cache = _repeat_rows((cross_kv, valid, cache), beams)
 
     def tokens_to_logits(token_ids, cache):
         logits, cache = model.apply(
-            variables, token_ids, cache, cross_kv, inputs_b, method=Transformer.decode_step
+            variables, token_ids, cache, cross_kv, valid_b, method=Transformer.decode_step
         )
         return logits[:, -1], cache  # [B*beams, V]
 
@@ -88,6 +91,7 @@ def full_recompute_step(
     prefix: jax.Array | None = None,
     bos_id: int,
     beams: int = 1,
+    source_valid: jax.Array | None = None,
 ):
     """A `tokens_to_logits` that reruns the whole decoder prefix at every step (no KV cache).
 
@@ -98,7 +102,8 @@ def full_recompute_step(
     """
     batch = inputs.shape[0]
     variables = {"params": params}
-    encoded = model.apply(variables, inputs, method=Transformer.encode)
+    valid = token_validity(inputs) if source_valid is None else source_valid  # [B, S]
+    encoded = model.apply(variables, inputs, valid, method=Transformer.encode)
     fill_len = 0 if prefix is None else prefix.shape[1]
     tokens = jnp.zeros((batch, fill_len + max_len), jnp.int32)
     if prefix is None:
@@ -106,12 +111,12 @@ def full_recompute_step(
     else:
         tokens = tokens.at[:, 0].set(bos_id).at[:, 1:fill_len].set(prefix[:, :-1])
         first = prefix[:, -1].astype(jnp.int32)
-    encoded, inputs_b, tokens = _repeat_rows((encoded, inputs, tokens), beams)
+    encoded, valid_b, tokens = _repeat_rows((encoded, valid, tokens), beams)
 
     def tokens_to_logits(token_ids, cache):
         i = cache["index"]
         tokens = jax.lax.dynamic_update_slice(cache["tokens"], token_ids, (0, i))  # [B, L]
-        logits = model.apply(variables, encoded, inputs_b, tokens, method=Transformer.decode)
+        logits = model.apply(variables, encoded, valid_b, tokens, method=Transformer.decode)
         step_logits = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)  # [B, V]
         return step_logits, {"tokens": tokens, "index": i + 1}
 
@@ -143,6 +148,7 @@ def decode(
     eos_id: int,
     prefix: jax.Array | None = None,
     rng: jax.Array | None = None,
+    source_valid: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Encodes `inputs` int32[B, S] once and searches.
 
@@ -154,11 +160,18 @@ def decode(
     """
     batch = inputs.shape[0]
     beams = search.beam_size if search.method == "beam" else 1
-    make = cached_step if search.cached else full_recompute_step
-    step, cache, first = make(
-        model, params, inputs, max_len=search.max_len, prefix=prefix, bos_id=bos_id, beams=beams
+    adapter = cached_step if search.cached else full_recompute_step
+    step, cache, first = adapter(
+        model,
+        params,
+        inputs,
+        max_len=search.max_len,
+        prefix=prefix,
+        bos_id=bos_id,
+        beams=beams,
+        source_valid=source_valid,
     )
-    common = dict(
+    shared = dict(
         max_len=search.max_len,
         bos_id=bos_id,
         eos_id=eos_id,
@@ -167,7 +180,7 @@ def decode(
     )
     if search.method == "beam":
         return autoregressive.beam_search(
-            step, cache, batch_size=batch, beam_size=beams, alpha=search.alpha, **common
+            step, cache, batch_size=batch, beam_size=beams, alpha=search.alpha, **shared
         )
     if search.method == "sample":
         tokens = autoregressive.sample_search(
@@ -178,20 +191,10 @@ def decode(
             temperature=search.temperature,
             top_k=search.top_k,
             top_p=search.top_p,
-            **common,
+            **shared,
         )
     elif search.method == "greedy":
-        tokens = autoregressive.greedy_search(step, cache, batch_size=batch, **common)
+        tokens = autoregressive.greedy_search(step, cache, batch_size=batch, **shared)
     else:
         raise ValueError(f"unknown search method {search.method!r}: greedy, sample or beam")
     return tokens[:, None, :], jnp.zeros((batch, 1), jnp.float32)
-
-
-def greedy_decode(
-    model: Transformer, params, inputs: jax.Array, *, max_len: int, bos_id: int, eos_id: int
-) -> jax.Array:
-    """Cached greedy decoding: int32[B, S] -> int32[B, max_len]."""
-    tokens, _ = decode(
-        model, params, inputs, search=SearchConfig("greedy", max_len), bos_id=bos_id, eos_id=eos_id
-    )
-    return tokens[:, 0]

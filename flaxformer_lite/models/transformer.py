@@ -1,10 +1,16 @@
-"""The encoder-decoder Transformer of Vaswani et al. (2017).
+"""The encoder-decoder Transformer of Vaswani et al. (2017), as flax modules.
 
 `Transformer.encode` and `Transformer.decode` are usable separately so that
 search code can encode a source once and decode step by step; `__call__` is
-the teacher-forced forward pass used in training.
+the teacher-forced forward pass used in training. Only `models/` uses these
+modules; everything else goes through the model protocol (`models/base.py`).
 
-Letter legend as in `attention.py` (B batch, S source length, T target
+The encoder reads token ids (int[B, S], through the embedding) or, with
+`config.input_features` > 0, continuous features (float[B, S, F], through a
+linear projection); either way with a validity array bool[B, S]. The decoder
+never sees source tokens: only the encoder output and the source validity.
+
+Letter legend as in `nn/attention.py` (B batch, S source length, T target
 length, D d_model, V vocabulary, L decoder cache length, N heads, H head dim).
 
 Decoding state (the only cache layout in the project):
@@ -23,6 +29,11 @@ tokens (a forced prefix is written in one call), writes their keys/values at
 [index, index + T) and attends over the whole cache with a mask that hides
 positions >= index + t, so its cost per step does not depend on the prefix
 length.
+
+Attention probabilities: `Transformer(config, capture=("decoder/cross/-1", ...))`
+sows the chosen layers' probabilities into the "intermediates" collection on
+every path (unrolled, `scan_layers`, the fast kernel); apply with
+`mutable=["intermediates"]` and read them with `captured_attention`.
 """
 
 from __future__ import annotations
@@ -32,176 +43,101 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.nn import attention
+from flaxformer_lite.constants import PAD_ID
+from flaxformer_lite.models.blocks import DecoderLayer, EncoderLayer, scan_layers
+from flaxformer_lite.nn import masks
 from flaxformer_lite.nn.dropout import Dropout
-from flaxformer_lite.nn.layers import AddPositions, Embed, FeedForward, Residual, layer_norm
+from flaxformer_lite.nn.embeddings import AddPositions, Embed, FeatureProjection
+from flaxformer_lite.nn.layers import layer_norm
+
+KINDS = {"self": "self_attention", "cross": "cross_attention"}
 
 
-class EncoderLayer(nn.Module):
-    """Self-attention and feed-forward sub-layers, each in a residual + LayerNorm."""
+def parse_capture(
+    capture: tuple[str, ...], config: TransformerConfig
+) -> dict[str, tuple[int, ...]]:
+    """("decoder/cross/-1", ...) -> {"encoder/self": (..), "decoder/self": .., "decoder/cross": ..}.
 
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array, *, deterministic: bool) -> jax.Array:
-        """x: [B, S, D]; mask: bool[B, S, S]. Returns [B, S, D]."""
-        cfg = self.config
-        attn = attention.MultiHeadAttention(cfg, self_attention=True, name="self_attention")
-        x = Residual(cfg, name="self_attention_residual")(
-            lambda h: attn(h, None, mask, deterministic=deterministic)[0],
-            x,
-            deterministic=deterministic,
-        )
-        ffn = FeedForward(cfg, name="ffn")
-        return Residual(cfg, name="ffn_residual")(ffn, x, deterministic=deterministic)
-
-
-class DecoderLayer(nn.Module):
-    """Causal self-attention, cross-attention over the encoder output, feed-forward."""
-
-    config: TransformerConfig
-
-    def setup(self):
-        cfg = self.config
-        self.self_attention = attention.MultiHeadAttention(cfg, self_attention=True)
-        self.self_attention_residual = Residual(cfg)
-        self.cross_attention = attention.MultiHeadAttention(cfg, self_attention=False)
-        self.cross_attention_residual = Residual(cfg)
-        self.ffn = FeedForward(cfg)
-        self.ffn_residual = Residual(cfg)
-
-    def __call__(
-        self,
-        y: jax.Array,
-        encoded: jax.Array | None,
-        self_mask: jax.Array,
-        cross_mask: jax.Array,
-        *,
-        deterministic: bool,
-        return_weights: bool = False,
-        cache: dict | None = None,
-        cross_kv: tuple[jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, jax.Array | None, dict | None]:
-        """Runs one decoder layer.
-
-        Args:
-          y: [B, T, D] decoder activations.
-          encoded: [B, S, D] encoder output (unused when `cross_kv` is given).
-          self_mask: bool[B, T, T], or bool[B, T, L] with a cache.
-          cross_mask: bool[B, T, S] source padding.
-          return_weights: also return the cross-attention weights [B, N, T, S].
-          cache: this layer's {"k", "v", "index"} (see the module docstring).
-          cross_kv: this layer's precomputed cross-attention (k, v).
-        Returns:
-          (y [B, T, D], cross-attention weights or None, updated cache or None).
-        """
-        out = {}
-
-        def self_attend(h):
-            h, _, out["cache"] = self.self_attention(
-                h, None, self_mask, deterministic=deterministic, cache=cache
-            )
-            return h
-
-        def cross_attend(h):
-            h, out["weights"], _ = self.cross_attention(
-                h,
-                encoded,
-                cross_mask,
-                deterministic=deterministic,
-                return_weights=return_weights,
-                cross_kv=cross_kv,
-            )
-            return h
-
-        y = self.self_attention_residual(self_attend, y, deterministic=deterministic)
-        y = self.cross_attention_residual(cross_attend, y, deterministic=deterministic)
-        y = self.ffn_residual(self.ffn, y, deterministic=deterministic)
-        return y, out["weights"], out["cache"]
-
-
-def scan_layers(
-    parent: nn.Module,
-    layer_cls,
-    num_layers: int,
-    x: jax.Array,
-    args: tuple,
-    deterministic: bool,
-    first=lambda out: out,
-) -> jax.Array:
-    """Runs `num_layers` identical layers as one `lax.scan` over their stacked parameters.
-
-    The parameters keep their per-layer layout (`layer_0`, `layer_1`, ...), so
-    checkpoints are the same with or without scanning; they are stacked here,
-    [L, ...] per leaf, and the layer body is compiled once instead of L times.
-    With `config.remat` each layer's activations are recomputed in the
-    backward pass instead of stored.
-
-    Args:
-      x: [B, T, D] input of the first layer; args: the layer's other inputs.
-      first: picks the activations from a layer's output.
-    Returns:
-      [B, T, D] output of the last layer.
+    Raises ValueError naming a bad entry.
     """
-    cfg = parent.config
-    params = parent.variables["params"]
-    stacked = jax.tree.map(
-        lambda *p: jnp.stack(p), *[params[f"layer_{i}"] for i in range(num_layers)]
-    )
-    if deterministic:
-        keys = jnp.zeros((num_layers, 2), jnp.uint32)
-    else:
-        base = parent.make_rng("dropout")
-        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(num_layers))
-    layer = layer_cls(cfg, parent=None)  # unbound: applied to explicit parameters
+    depth = {"encoder": config.num_encoder_layers, "decoder": config.num_decoder_layers}
+    out: dict[str, set[int]] = {
+        "encoder/self": set(),
+        "decoder/self": set(),
+        "decoder/cross": set(),
+    }
+    for name in capture:
+        stack, _, rest = name.partition("/")
+        kind, _, index = rest.partition("/")
+        key = f"{stack}/{kind}"
+        try:
+            i = int(index)
+        except ValueError:
+            i = None
+        if key not in out or i is None or not -depth[stack] <= i < depth[stack]:
+            raise ValueError(
+                f"attention layer {name!r}: expected encoder/self/I, decoder/self/I or "
+                f"decoder/cross/I with -{max(depth.values())} <= I < layers"
+            )
+        out[key].add(i % depth[stack])
+    return {k: tuple(sorted(v)) for k, v in out.items()}
 
-    def body(h, xs):
-        layer_params, key = xs
-        out = layer.apply(
-            {"params": layer_params},
-            h,
-            *args,
-            deterministic=deterministic,
-            rngs=None if deterministic else {"dropout": key},
+
+def captured_attention(
+    intermediates: dict, capture: tuple[str, ...], config: TransformerConfig
+) -> dict[str, jax.Array]:
+    """The sown probabilities, {name in `capture`: float32[B, N, T_q, T_k]}, from any path."""
+    out = {}
+    for name in capture:
+        stack, kind, index = name.split("/")
+        i = int(index) % (
+            config.num_encoder_layers if stack == "encoder" else config.num_decoder_layers
         )
-        return first(out), None
-
-    if cfg.remat:
-        body = jax.checkpoint(body)
-    return jax.lax.scan(body, x, (stacked, keys))[0]
+        tree = intermediates[stack]
+        # Unrolled: sown by the layer's attention module; scanned: re-sown by the stack.
+        layer = tree[f"layer_{i}"] if f"layer_{i}" in tree else tree[f"scanned_layer_{i}"][-1]
+        out[name] = layer[KINDS[kind]]["attention_weights"][-1]
+    return out
 
 
 class Encoder(nn.Module):
-    """Embedding + positions + dropout, N encoder layers (+ final LN when pre-LN)."""
+    """Front end (embedding or feature projection) + positions + dropout, N layers (+ final LN)."""
 
     config: TransformerConfig
-    embed: nn.Module
+    embed: nn.Module | None  # the token embedding; None for feature inputs
+    capture: tuple[int, ...] = ()  # layers whose self-attention probabilities are sown
 
     @nn.compact
     def __call__(
         self,
         inputs: jax.Array,
+        mask: jax.Array,
         *,
         deterministic: bool,
-        segments: jax.Array | None = None,
         positions: jax.Array | None = None,
     ) -> jax.Array:
-        """Encodes int[B, S] (PAD_ID = padding) -> [B, S, D].
+        """Encodes int[B, S] token ids or float[B, S, F] features -> [B, S, D].
 
-        For packed rows, `segments` int[B, S] numbers the examples (1, 2, ...;
-        0 = padding) and `positions` int[B, S] restarts at 0 for each.
+        Args:
+          mask: bool[B, S, S] (`masks.encoder_mask`).
+          positions: int[B, S], restarting at 0 for each packed example (None: 0..S-1).
         """
         cfg = self.config
-        mask = attention.padding_mask(inputs, inputs)  # [B, S, S]
-        if segments is not None:
-            mask = mask & attention.segment_mask(segments, segments)
-        x = AddPositions(cfg, name="positions")(self.embed(inputs), positions)
+        if cfg.input_features:
+            x = FeatureProjection(cfg, name="input_projection")(inputs)
+        else:
+            x = self.embed(inputs)
+        x = AddPositions(cfg, name="positions")(x, positions)
         x = Dropout(cfg.dropout_rate, cfg.dropout_rng)(x, deterministic=deterministic)  # §5.4
         if cfg.scan_layers and not self.is_initializing():
-            x = scan_layers(self, EncoderLayer, cfg.num_encoder_layers, x, (mask,), deterministic)
+            layer = EncoderLayer(cfg, capture_self=bool(self.capture), parent=None)
+            x = scan_layers(
+                self, layer, cfg.num_encoder_layers, x, (mask,), deterministic, self.capture
+            )
         else:
             for i in range(cfg.num_encoder_layers):
-                x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic=deterministic)
+                layer = EncoderLayer(cfg, capture_self=i in self.capture, name=f"layer_{i}")
+                x = layer(x, mask, deterministic=deterministic)
         if cfg.norm == "pre":
             x = layer_norm(cfg, "final_norm")(x)
         return x
@@ -212,12 +148,22 @@ class Decoder(nn.Module):
 
     config: TransformerConfig
     embed: nn.Module
+    capture_self: tuple[int, ...] = ()  # layers whose probabilities are sown
+    capture_cross: tuple[int, ...] = ()
 
     def setup(self):
         cfg = self.config
         self.positions = AddPositions(cfg)
         self.dropout = Dropout(cfg.dropout_rate, cfg.dropout_rng)
-        self.layers = [DecoderLayer(cfg, name=f"layer_{i}") for i in range(cfg.num_decoder_layers)]
+        self.layers = [
+            DecoderLayer(
+                cfg,
+                capture_self=i in self.capture_self,
+                capture_cross=i in self.capture_cross,
+                name=f"layer_{i}",
+            )
+            for i in range(cfg.num_decoder_layers)
+        ]
         if cfg.norm == "pre":
             self.final_norm = layer_norm(cfg, "final_norm")
         if not cfg.tie_output_embedding:
@@ -243,61 +189,47 @@ class Decoder(nn.Module):
     def __call__(
         self,
         encoded: jax.Array,
-        inputs: jax.Array,
         decoder_inputs: jax.Array,
+        self_mask: jax.Array,
+        cross_mask: jax.Array,
         *,
         deterministic: bool,
-        return_weights: bool = False,
-        packing: dict[str, jax.Array] | None = None,
-    ):
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
         """Teacher-forced decoder pass.
 
         Args:
           encoded: [B, S, D] encoder output.
-          inputs: int[B, S] source tokens (for the cross-attention padding mask).
           decoder_inputs: int[B, T] BOS + target prefix.
-          return_weights: also return per-layer cross-attention weights
-            (a list of float32[B, N, T, S]).
-          packing: for packed rows, {"inputs_segments" int[B, S],
-            "targets_segments" int[B, T], "targets_positions" int[B, T]}: a
-            target token attends only to its own example's prefix and source.
+          self_mask: bool[B, T, T] (`masks.decoder_mask`); cross_mask: bool[B, T, S].
+          positions: int[B, T] restarting at 0 per packed example (None: 0..T-1).
         Returns:
-          float32[B, T, V] logits (and the weights when asked).
+          float32[B, T, V] logits.
         """
-        self_mask = attention.decoder_self_mask(decoder_inputs)  # [B, T, T]
-        cross_mask = attention.cross_mask(decoder_inputs, inputs)  # [B, T, S]
-        positions = None
-        if packing is not None:
-            tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
-            self_mask = self_mask & attention.segment_mask(tseg, tseg)
-            cross_mask = cross_mask & attention.segment_mask(tseg, sseg)
-            positions = packing["targets_positions"]
         y = self.positions(self.embed(decoder_inputs), positions)
         y = self.dropout(y, deterministic=deterministic)
-        all_weights = []
-        if self.config.scan_layers and not return_weights and not self.is_initializing():
+        if self.config.scan_layers and not self.is_initializing():
+            capture = tuple(sorted(set(self.capture_self) | set(self.capture_cross)))
+            layer = DecoderLayer(
+                self.config,
+                capture_self=bool(self.capture_self),
+                capture_cross=bool(self.capture_cross),
+                parent=None,
+            )
             y = scan_layers(
                 self,
-                DecoderLayer,
+                layer,
                 len(self.layers),
                 y,
                 (encoded, self_mask, cross_mask),
                 deterministic,
+                capture,
                 first=lambda out: out[0],
             )
             return self._logits(y)
         for layer in self.layers:
-            y, w, _ = layer(
-                y,
-                encoded,
-                self_mask,
-                cross_mask,
-                deterministic=deterministic,
-                return_weights=return_weights,
-            )
-            all_weights.append(w)
-        logits = self._logits(y)
-        return (logits, all_weights) if return_weights else logits
+            y, _ = layer(y, encoded, self_mask, cross_mask, deterministic=deterministic)
+        return self._logits(y)
 
     def cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
         """Every layer's cross-attention keys/values: [(k, v) [B, S, N, H]] * layers."""
@@ -308,25 +240,24 @@ class Decoder(nn.Module):
         tokens: jax.Array,
         cache: dict,
         cross_kv: list[tuple[jax.Array, jax.Array]],
-        inputs: jax.Array,
+        source_valid: jax.Array,
     ) -> tuple[jax.Array, dict]:
         """Decodes `tokens` int[B, T] at positions [index, index + T) with a KV cache.
 
+        Args:
+          source_valid: bool[B, S], the encoder positions that hold input.
         Returns:
           (logits float32[B, T, V], updated cache). Layout in the module docstring.
         """
         index = cache["index"]
-        length = cache["layers"][0]["k"].shape[1]  # L
-        positions = index + jnp.arange(tokens.shape[1])  # [T]
-        # Query t sees cache positions <= index + t: causal over the prefix and
-        # within the new block; never the zeros beyond it.
-        self_mask = jnp.arange(length)[None, :] <= positions[:, None]  # [T, L]
-        self_mask = jnp.broadcast_to(self_mask, (tokens.shape[0], *self_mask.shape))
-        cross_mask = attention.cross_mask(tokens, inputs)  # [B, T, S]
+        batch, length = tokens.shape
+        positions = index + jnp.arange(length)  # [T]
+        self_mask = masks.cache_mask(positions, cache["layers"][0]["k"].shape[1], batch)
+        cross_mask = masks.cross_mask(source_valid, length)  # [B, T, S]
         y = self.positions(self.embed(tokens), positions[None, :])
         new_layers = []
         for layer, layer_cache, kv in zip(self.layers, cache["layers"], cross_kv, strict=True):
-            y, _, updated = layer(
+            y, updated = layer(
                 y,
                 None,
                 self_mask,
@@ -336,60 +267,93 @@ class Decoder(nn.Module):
                 cross_kv=kv,
             )
             new_layers.append({"k": updated["k"], "v": updated["v"]})
-        return self._logits(y), {"layers": new_layers, "index": index + tokens.shape[1]}
+        return self._logits(y), {"layers": new_layers, "index": index + length}
+
+
+def token_validity(tokens: jax.Array) -> jax.Array:
+    """bool[B, S]: True where a token id is not PAD_ID."""
+    return tokens != PAD_ID
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer with optional shared embeddings (§3.4)."""
+    """Encoder-decoder Transformer with optional shared embeddings (§3.4).
+
+    `packing` (several examples per row): {"inputs_segments",
+    "inputs_positions" int[B, S]; "targets_segments", "targets_positions"
+    int[B, T]}, segments numbered 1, 2, ... per row (0 = padding) and
+    positions restarting at 0 for each example. Attention never crosses
+    examples: encoder, decoder self- and cross-attention are all masked by
+    segment. `source_valid` bool[B, S] defaults to `inputs != PAD_ID` for
+    token inputs; feature inputs must give it.
+    """
 
     config: TransformerConfig
+    capture: tuple[str, ...] = ()  # attention probabilities to sow, e.g. "decoder/cross/-1"
 
     def setup(self):
         cfg = self.config
-        if cfg.share_embeddings:
+        if cfg.share_embeddings and not cfg.input_features:
             shared = Embed(cfg.vocab_size, cfg, name="shared_embedding")
             source_embed, target_embed = shared, shared
         else:
-            source_embed = Embed(cfg.vocab_size, cfg, name="source_embedding")
+            source_embed = (
+                None if cfg.input_features else Embed(cfg.vocab_size, cfg, name="source_embedding")
+            )
             target_embed = Embed(cfg.output_vocab_size, cfg, name="target_embedding")
-        self.encoder = Encoder(cfg, source_embed)
-        self.decoder = Decoder(cfg, target_embed)
+        chosen = parse_capture(self.capture, cfg)
+        self.encoder = Encoder(cfg, source_embed, capture=chosen["encoder/self"])
+        self.decoder = Decoder(
+            cfg,
+            target_embed,
+            capture_self=chosen["decoder/self"],
+            capture_cross=chosen["decoder/cross"],
+        )
+
+    def _source_valid(self, inputs: jax.Array, source_valid: jax.Array | None) -> jax.Array:
+        if source_valid is not None:
+            return source_valid
+        if self.config.input_features:
+            raise ValueError("feature inputs need source_valid bool[B, S]")
+        return token_validity(inputs)
 
     def encode(
         self,
         inputs: jax.Array,
+        source_valid: jax.Array | None = None,
         *,
         deterministic: bool = True,
         packing: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
-        """int[B, S] -> [B, S, D]. `packing` as in `__call__`."""
-        if packing is None:
-            return self.encoder(inputs, deterministic=deterministic)
-        return self.encoder(
-            inputs,
-            deterministic=deterministic,
-            segments=packing["inputs_segments"],
-            positions=packing["inputs_positions"],
-        )
+        """int[B, S] (or float[B, S, F]) -> [B, S, D]."""
+        valid = self._source_valid(inputs, source_valid)
+        segments = None if packing is None else packing["inputs_segments"]
+        positions = None if packing is None else packing["inputs_positions"]
+        mask = masks.encoder_mask(valid, segments)
+        return self.encoder(inputs, mask, deterministic=deterministic, positions=positions)
 
     def decode(
         self,
         encoded: jax.Array,
-        inputs: jax.Array,
+        source_valid: jax.Array,
         decoder_inputs: jax.Array,
         *,
         deterministic: bool = True,
-        return_weights: bool = False,
         packing: dict[str, jax.Array] | None = None,
-    ):
+    ) -> jax.Array:
         """Logits float32[B, T, V] for decoder inputs int[B, T] given encoded [B, S, D]."""
+        tseg = sseg = positions = None
+        if packing is not None:
+            tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
+            positions = packing["targets_positions"]
+        self_mask = masks.decoder_mask(token_validity(decoder_inputs), tseg)
+        cross = masks.cross_mask(source_valid, decoder_inputs.shape[1], tseg, sseg)
         return self.decoder(
             encoded,
-            inputs,
             decoder_inputs,
+            self_mask,
+            cross,
             deterministic=deterministic,
-            return_weights=return_weights,
-            packing=packing,
+            positions=positions,
         )
 
     def precompute_cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -401,31 +365,42 @@ class Transformer(nn.Module):
         tokens: jax.Array,
         cache: dict,
         cross_kv: list[tuple[jax.Array, jax.Array]],
-        inputs: jax.Array,
+        source_valid: jax.Array,
     ) -> tuple[jax.Array, dict]:
         """Cached decoding of int[B, T] new tokens -> (float32[B, T, V], new cache)."""
-        return self.decoder.step(tokens, cache, cross_kv, inputs)
+        return self.decoder.step(tokens, cache, cross_kv, source_valid)
 
     def __call__(
         self,
         inputs: jax.Array,
         decoder_inputs: jax.Array,
         *,
+        source_valid: jax.Array | None = None,
         deterministic: bool = True,
         packing: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
-        """Teacher-forced pass: int[B, S], int[B, T] -> float32[B, T, V].
+        """Teacher-forced pass: int[B, S] (or float[B, S, F]), int[B, T] -> float32[B, T, V].
 
-        `packing` (several examples per row): {"inputs_segments",
-        "inputs_positions" int[B, S]; "targets_segments", "targets_positions"
-        int[B, T]}, segments numbered 1, 2, ... per row (0 = padding) and
-        positions restarting at 0 for each example. Attention never crosses
-        examples: encoder, decoder self- and cross-attention are all masked by
-        segment.
+        The three masks are built once here (`masks.seq2seq_masks`).
         """
-        encoded = self.encode(inputs, deterministic=deterministic, packing=packing)
-        return self.decode(
-            encoded, inputs, decoder_inputs, deterministic=deterministic, packing=packing
+        valid = self._source_valid(inputs, source_valid)
+        p = packing or {}
+        m = masks.seq2seq_masks(
+            valid,
+            token_validity(decoder_inputs),
+            p.get("inputs_segments"),
+            p.get("targets_segments"),
+        )
+        encoded = self.encoder(
+            inputs, m.encoder, deterministic=deterministic, positions=p.get("inputs_positions")
+        )
+        return self.decoder(
+            encoded,
+            decoder_inputs,
+            m.decoder,
+            m.cross,
+            deterministic=deterministic,
+            positions=p.get("targets_positions"),
         )
 
 
@@ -437,23 +412,3 @@ def init_cache(config: TransformerConfig, batch: int, max_len: int) -> dict:
         "layers": [layer() for _ in range(config.num_decoder_layers)],
         "index": jnp.zeros((), jnp.int32),
     }
-
-
-def shift_right(targets: jax.Array, bos_id: int, segments: jax.Array | None = None) -> jax.Array:
-    """Teacher forcing: decoder inputs = BOS + targets[:, :-1].
-
-    Padding after the end stays padding because targets are right-padded. With
-    packed rows (`segments` int[B, T]), every example starts with its own BOS.
-
-    Args:
-      targets: int[B, T] target ids ending in EOS, right-padded with PAD_ID.
-    Returns:
-      int[B, T].
-    """
-    bos = jnp.full((targets.shape[0], 1), bos_id, targets.dtype)
-    shifted = jnp.concatenate([bos, targets[:, :-1]], axis=1)
-    if segments is None:
-        return shifted
-    previous = jnp.concatenate([jnp.zeros_like(segments[:, :1]), segments[:, :-1]], axis=1)
-    starts = (segments != previous) & (segments != 0)  # first token of each example
-    return jnp.where(starts, bos_id, jnp.where(segments == 0, 0, shifted))

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention, its masks, and multi-head attention.
+"""Scaled dot-product attention and multi-head attention (masks: `masks.py`).
 
 Einsum letter legend used throughout the project:
   B batch, T query length, S key/value length, D d_model, N heads,
@@ -18,67 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.nn.dropout import Dropout
 from flaxformer_lite.nn.layers import project
-
-# ----------------------------------------------------------------------------
-# Masks. All are bool, True where a query may attend to a key.
-# ----------------------------------------------------------------------------
-
-
-def padding_mask(query_tokens: jax.Array, key_tokens: jax.Array) -> jax.Array:
-    """Masks whole key columns that hold padding.
-
-    Args:
-      query_tokens: int[batch, q_len] (only its length is used).
-      key_tokens: int[batch, kv_len], PAD_ID marks padding.
-    Returns:
-      bool[batch, q_len, kv_len].
-    """
-    keep = key_tokens != PAD_ID  # [B, S]
-    return jnp.broadcast_to(
-        keep[:, None, :], (key_tokens.shape[0], query_tokens.shape[1], key_tokens.shape[1])
-    )
-
-
-def causal_mask(length: int) -> jax.Array:
-    """Lower-triangular mask: position t attends to positions <= t. bool[length, length]."""
-    return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-
-
-def decoder_self_mask(decoder_tokens: jax.Array) -> jax.Array:
-    """Causal AND padding mask for decoder self-attention.
-
-    Args:
-      decoder_tokens: int[batch, length] decoder inputs (BOS + target prefix).
-    Returns:
-      bool[batch, length, length].
-    """
-    return padding_mask(decoder_tokens, decoder_tokens) & causal_mask(decoder_tokens.shape[1])[None]
-
-
-def cross_mask(decoder_tokens: jax.Array, encoder_tokens: jax.Array) -> jax.Array:
-    """Rectangular decoder-queries x encoder-keys mask: padding of the source only.
-
-    Returns:
-      bool[batch, dec_len, enc_len].
-    """
-    return padding_mask(decoder_tokens, encoder_tokens)
-
-
-def segment_mask(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
-    """Packed rows: a query attends only to keys of its own example.
-
-    Args:
-      query_segments: int[batch, q_len], 1, 2, ... per packed example, 0 = padding.
-      key_segments: int[batch, kv_len], same numbering.
-    Returns:
-      bool[batch, q_len, kv_len].
-    """
-    same = query_segments[:, :, None] == key_segments[:, None, :]
-    return same & (key_segments[:, None, :] != 0)
-
 
 # ----------------------------------------------------------------------------
 # The core, for one example and one head.
@@ -142,6 +83,19 @@ def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | N
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
+def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """The probabilities of `batched_attention` alone: float32[batch, heads, q_len, kv_len].
+
+    For the fast path, which does not return them; the same formula as the
+    core (scaled scores, masked with finfo.min, softmax in float32).
+    """
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+    if mask is not None:
+        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1)
+
+
 # ----------------------------------------------------------------------------
 # Multi-head attention module.
 # ----------------------------------------------------------------------------
@@ -165,6 +119,7 @@ class MultiHeadAttention(nn.Module):
 
     config: TransformerConfig
     self_attention: bool
+    capture: bool = False  # sow the attention probabilities into "intermediates"
 
     def _kernel(self, name: str, shape, axes, in_axis, out_axis, batch_axis=()):
         # Glorot-uniform with fans computed as for one [D, N*H] matrix per
@@ -215,62 +170,70 @@ class MultiHeadAttention(nn.Module):
     def __call__(
         self,
         inputs_q: jax.Array,
-        inputs_kv: jax.Array | None,
         mask: jax.Array | None,
         *,
         deterministic: bool,
-        return_weights: bool = False,
-        cache: dict | None = None,
+        inputs_kv: jax.Array | None = None,
         cross_kv: tuple[jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, jax.Array | None, dict | None]:
+        cache: dict | None = None,
+    ) -> tuple[jax.Array, dict | None]:
         """Attends from `inputs_q` to `inputs_kv` (to itself when self-attention).
+
+        With `capture` set and the "intermediates" collection mutable, the
+        attention probabilities float32[batch, heads, q_len, kv_len] are sown
+        as "attention_weights" (on every path: the fast kernel, which does not
+        return them, is then complemented by the same softmax computed here).
 
         Args:
           inputs_q: [batch, q_len, d_model].
-          inputs_kv: [batch, kv_len, d_model] for cross-attention (unused when
-            `cross_kv` is given); ignored for self-attention.
           mask: bool[batch, q_len, kv_len] (kv_len = cache length with a cache).
           deterministic: disables attention dropout.
-          return_weights: also compute float32[batch, heads, q_len, kv_len]
-            (forces the vmap core).
+          inputs_kv: cross-attention only: [batch, kv_len, d_model] encoder output
+            (unused when `cross_kv` is given).
+          cross_kv: cross-attention only: precomputed `project_kv` output.
           cache: self-attention only: {"k", "v": [batch, max_len, heads,
             head_dim], "index": int32 scalar}. The new keys/values are written
             at [index, index + q_len) and attention runs over the whole cache.
-          cross_kv: cross-attention only: precomputed `project_kv` output.
         Returns:
-          (output [batch, q_len, d_model], weights or None, updated cache or None).
+          (output [batch, q_len, d_model], the updated cache or None).
         """
         cfg = self.config
         dt = cfg.dtype
-        x = inputs_q.astype(dt)
-        new_cache = None
-        if self.self_attention:
-            w, b = self.qkv_kernel.astype(dt), self.qkv_bias.astype(dt)
-            if cache is None:
-                # As in project_kv: one [M, D] x [D, N*3*H] matmul, heads outermost.
-                qkv = project(x, w.transpose(0, 2, 1, 3)) + b.transpose(1, 0, 2)  # [B,T,N,3,H]
-                q, k, v = (qkv[..., i, :] for i in range(3))  # each [B, T, N, H]
-            else:
-                # A decoding step is bound by reading the weights: use each
-                # slice where it lies instead of re-laying out the kernel.
-                q, k, v = (project(x, w[:, i]) + b[i] for i in range(3))  # each [B, T, N, H]
-                at = (0, cache["index"], 0, 0)
-                k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at)
-                v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)
-                new_cache = {"k": k, "v": v, "index": cache["index"] + x.shape[1]}
-        else:
-            q = project(x, self.q_kernel.astype(dt))  # btd,dnh->btnh
-            q = q + self.q_bias.astype(dt)  # [B, T, N, H]
-            k, v = cross_kv if cross_kv is not None else self.project_kv(inputs_kv)
-
-        weights = None
+        q, k, v, new_cache = self._qkv(inputs_q.astype(dt), inputs_kv, cross_kv, cache)
+        capture = self.capture and self.is_mutable_collection("intermediates")
         dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
-        if cfg.attention_impl == "fast" and not (return_weights or dropout):
+        if cfg.attention_impl == "fast" and not dropout:
             out = fast_attention(q, k, v, mask)  # [B, T, N, H]
+            if capture:
+                self.sow("intermediates", "attention_weights", attention_weights(q, k, mask))
         else:
             out, weights = batched_attention(q, k, v, mask)
+            if capture:
+                self.sow("intermediates", "attention_weights", weights)
             if dropout:
                 dropped = self.dropout(weights, deterministic=False)
                 out = jnp.einsum("bnts,bsnh->btnh", dropped.astype(dt), v)
         y = project(out, self.out_kernel.astype(dt), in_dims=2)  # btnh,nhd->btd
-        return y + self.out_bias.astype(dt), weights, new_cache
+        return y + self.out_bias.astype(dt), new_cache
+
+    def _qkv(self, x, inputs_kv, cross_kv, cache):
+        """Queries, keys and values [B, *, N, H] (and the updated cache or None)."""
+        dt = self.config.dtype
+        if not self.self_attention:
+            q = project(x, self.q_kernel.astype(dt))  # btd,dnh->btnh
+            q = q + self.q_bias.astype(dt)  # [B, T, N, H]
+            k, v = cross_kv if cross_kv is not None else self.project_kv(inputs_kv)
+            return q, k, v, None
+        w, b = self.qkv_kernel.astype(dt), self.qkv_bias.astype(dt)
+        if cache is None:
+            # As in project_kv: one [M, D] x [D, N*3*H] matmul, heads outermost.
+            qkv = project(x, w.transpose(0, 2, 1, 3)) + b.transpose(1, 0, 2)  # [B, T, N, 3, H]
+            q, k, v = (qkv[..., i, :] for i in range(3))  # each [B, T, N, H]
+            return q, k, v, None
+        # A decoding step is bound by reading the weights: use each slice where
+        # it lies instead of re-laying out the kernel.
+        q, k, v = (project(x, w[:, i]) + b[i] for i in range(3))  # each [B, T, N, H]
+        at = (0, cache["index"], 0, 0)
+        k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at)
+        v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)
+        return q, k, v, {"k": k, "v": v, "index": cache["index"] + x.shape[1]}

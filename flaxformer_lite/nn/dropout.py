@@ -74,6 +74,9 @@ def keep_mask(key: jax.Array, rate: float, shape: tuple[int, ...], rng: str) -> 
     return hash_bits(key, shape) >= jnp.uint32(threshold)
 
 
+KEYS = "dropout_keys"  # collection of explicit keys, {"key": key} per Dropout module
+
+
 class Dropout(nn.Module):
     """Inverted dropout drawing its key from the "dropout" PRNG stream.
 
@@ -89,6 +92,11 @@ class Dropout(nn.Module):
         """x: any shape, returned with the same shape and dtype."""
         if deterministic or self.rate == 0.0:
             return x
-        keep = keep_mask(self.make_rng("dropout"), self.rate, x.shape, self.rng)
+        # A layer run inside a scan gets the key it would draw unrolled (models/blocks.py).
+        if self.has_variable(KEYS, "key"):
+            key = self.get_variable(KEYS, "key")
+        else:
+            key = self.make_rng("dropout")
+        keep = keep_mask(key, self.rate, x.shape, self.rng)
         scale = jnp.asarray(1.0 / (1.0 - self.rate), x.dtype)
         return jnp.where(keep, x * scale, jnp.zeros_like(x))

@@ -1,6 +1,6 @@
-"""Embeddings, positional encodings, the feed-forward block and residual wrappers.
+"""Projections, the feed-forward block, LayerNorm and the residual wrapper.
 
-Letter legend as in `attention.py` (B batch, T length, D d_model, F d_ff, V vocab).
+Letter legend as in `attention.py` (B batch, T length, D d_model, F d_ff).
 """
 
 from __future__ import annotations
@@ -10,99 +10,9 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.nn.dropout import Dropout
-
-
-def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
-    """The paper's encoding (§3.5), for any positions.
-
-    PE(pos, 2i) = sin(pos / 10000^(2i / d_model)),
-    PE(pos, 2i+1) = cos(pos / 10000^(2i / d_model)).
-
-    Args:
-      positions: int[...] absolute positions (0-based).
-      d_model: model dimension (even or odd).
-    Returns:
-      float32[..., d_model].
-    """
-    i = np.arange(d_model) // 2  # the pair index i of each dimension
-    inv_freq = jnp.asarray(np.power(10000.0, -2.0 * i / d_model), jnp.float32)  # [D]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D]
-    even = np.arange(d_model) % 2 == 0
-    return jnp.where(even, jnp.sin(angles), jnp.cos(angles))
-
-
-class Embed(nn.Module):
-    """Token embedding that can also act as the pre-softmax projection (§3.4).
-
-    Looked-up vectors are multiplied by sqrt(d_model), as in the paper; the
-    matrix is initialised with std d_model^-0.5 so the scaled embedding has
-    unit variance and the tied output logits start small.
-    """
-
-    num_embeddings: int
-    config: TransformerConfig
-
-    def setup(self):
-        cfg = self.config
-        self.embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")
-            ),
-            (self.num_embeddings, cfg.d_model),
-            cfg.param_dtype,
-        )
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """int[B, T] -> [B, T, D], scaled by sqrt(d_model)."""
-        cfg = self.config
-        x = jnp.take(self.embedding, tokens, axis=0).astype(cfg.dtype)
-        return x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the embedding matrix: [B, T, D] -> float32[B, T, V]."""
-        cfg = self.config
-        *lead, d = x.shape
-        logits = jnp.einsum(  # over merged positions, as in `project`
-            "md,vd->mv",
-            x.astype(cfg.dtype).reshape(-1, d),
-            self.embedding.astype(cfg.dtype),
-            preferred_element_type=jnp.float32,
-        )  # [M, V]
-        return logits.reshape(*lead, -1)
-
-
-class AddPositions(nn.Module):
-    """Adds positional encodings: sinusoidal, learned (Table 3 row E) or none."""
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """x: [B, T, D]; positions: int[B, T] or None for 0..T-1. Returns [B, T, D]."""
-        cfg = self.config
-        if positions is None:
-            positions = jnp.arange(x.shape[1])[None, :]  # [1, T]
-        if cfg.positions == "none":
-            return x
-        if cfg.positions == "sinusoidal":
-            pe = sinusoidal_positions(positions, cfg.d_model)
-        else:
-            table = self.param(
-                "pos_embedding",
-                nn.with_logical_partitioning(
-                    nn.initializers.normal(stddev=0.02), ("length", "embed")
-                ),
-                (cfg.max_len, cfg.d_model),
-                cfg.param_dtype,
-            )
-            pe = jnp.take(table, positions, axis=0)
-        return x + pe.astype(x.dtype)
 
 
 def project(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:

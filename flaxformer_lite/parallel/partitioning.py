@@ -54,6 +54,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("qkv", None),
     ("mlp", MODEL_AXIS),
     ("vocab", MODEL_AXIS),
+    ("features", None),  # the input size of a feature front end
 )
 
 

@@ -12,7 +12,6 @@ steps.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import numpy as np
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import BOS_ID, EOS_ID
 from flaxformer_lite.models import predict
-from flaxformer_lite.models.transformer import Transformer, init_cache
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
 
 BOS, EOS = BOS_ID, EOS_ID
 
@@ -106,34 +105,22 @@ def decode_benchmark(
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
     """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length."""
-    model = Transformer(config)
+    model = AutoregressiveModel(config)
     rng = np.random.default_rng(0)
     inputs = jnp.asarray(rng.integers(4, config.vocab_size, (batch, source_len)), jnp.int32)
-    params = jax.jit(
-        lambda: nn.meta.unbox(
-            model.init(jax.random.PRNGKey(0), inputs[:1], inputs[:1, :8])["params"]
-        )
-    )()
+    shapes = {"inputs": (1, source_len), "targets": (1, 8)}
+    params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
     results: dict[str, float] = {}
 
     def search(method: str, **kw):
         cfg = predict.SearchConfig(method, new_tokens, min_len=new_tokens, **kw)
-        fn = functools.partial(predict.decode, model, search=cfg, bos_id=BOS, eos_id=EOS)
-        return fn
+        return jax.jit(lambda params, inputs: model.predict(params, {"inputs": inputs}, cfg))
 
     runs = [("greedy", search("greedy")), (f"beam{beam_size}", search("beam", beam_size=beam_size))]
     if uncached:
         runs.append(("greedy_uncached", search("greedy", cached=False)))
     for name, fn in runs:
-        results[f"{name}_compile_s"] = _compile_seconds(
-            predict.decode,
-            model,
-            params,
-            inputs,
-            search=fn.keywords["search"],
-            bos_id=BOS,
-            eos_id=EOS,
-        )
+        results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
         seconds, _ = _timed(
             lambda fn=fn: fn(params, inputs), 1 if name.endswith("uncached") else repeats
         )
@@ -149,22 +136,17 @@ def decode_benchmark(
 
     # One decode step at different prefix lengths, in one cache of fixed capacity.
     capacity = max(prefix_lens) + new_tokens
-    variables = {"params": params}
-    encoded = model.apply(variables, inputs, method=Transformer.encode)
-    cross_kv = model.apply(variables, encoded, method=Transformer.precompute_cross_kv)
-
+    tokens_to_logits, empty_cache, _ = predict.cached_step(
+        model.module, params, inputs, max_len=capacity, bos_id=BOS
+    )
     # The cache is donated, as in the search loop, so a step writes it in place
     # instead of copying every layer's [B, L, N, H] keys and values.
-    @functools.partial(jax.jit, donate_argnums=1)
-    def one_step(tokens, cache):
-        return model.apply(
-            variables, tokens, cache, cross_kv, inputs, method=Transformer.decode_step
-        )
+    one_step = jax.jit(tokens_to_logits, donate_argnums=1)
 
     step_bytes = decoder_step_bytes(params, config)
     tokens = jnp.full((batch, 1), 5, jnp.int32)
     for p in prefix_lens:
-        state = {"cache": init_cache(config, batch, capacity)}
+        state = {"cache": jax.tree.map(jnp.copy, empty_cache)}
 
         def run(p=p, state=state):
             cache = dict(state["cache"], index=jnp.int32(p))  # always at prefix length p
@@ -205,8 +187,8 @@ def _library_train_step(
 ) -> tuple[Callable[[], dict[str, jax.Array]], dict[str, float]]:
     """Our jitted train step on one fixed batch.
 
-    The step is the library's own (`loop.train_step`, Adam(0.9, 0.98,
-    1e-9), label smoothing 0.1), jitted as in training (`loop.jit_train_step`).
+    The step is the library's own (`training.step.train_step`, Adam(0.9, 0.98,
+    1e-9), label smoothing 0.1), jitted as in training (`training.step.jit_train_step`).
 
     Args:
       arrays: `_random_batch` output.
@@ -216,17 +198,18 @@ def _library_train_step(
     import optax
 
     from flaxformer_lite.parallel import partitioning
-    from flaxformer_lite.training import loop
+    from flaxformer_lite.training.state import create_state
+    from flaxformer_lite.training.step import jit_train_step
 
-    model = Transformer(config)
+    model = AutoregressiveModel(config, label_smoothing=0.1)
     tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
     mesh = partitioning.make_mesh()
     source_len, target_len = arrays["inputs"].shape[1], arrays["targets"].shape[1]
-    state, shardings = loop.create_state(
+    state, shardings = create_state(
         model, tx, mesh, seed=0, source_len=source_len, target_len=target_len
     )
     batch_arrays = partitioning.put_batch(arrays, mesh)
-    step = loop.jit_train_step(model, tx, mesh, shardings, label_smoothing=0.1, bos_id=BOS)
+    step = jit_train_step(model, tx, mesh, shardings)
     t0 = time.perf_counter()
     traced = step.trace(state, batch_arrays)
     t1 = time.perf_counter()
@@ -274,8 +257,8 @@ def train_benchmark(
 ) -> dict[str, float]:
     """Trace/lower/compile seconds, median step time, tokens/s, FLOP/s and MFU of training.
 
-    The step is the library's own (`loop.train_step`, Adam, label
-    smoothing 0.1, jitted by `loop.jit_train_step`), on random tokens without padding.
+    The step is the library's own (`training.step.train_step`, Adam, label
+    smoothing 0.1, jitted by `training.step.jit_train_step`), on random tokens without padding.
     """
     run, results = _library_train_step(config, _random_batch(config, batch, source_len, target_len))
     seconds, _ = _timed(run, steps)

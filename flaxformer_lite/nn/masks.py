@@ -1,0 +1,118 @@
+"""Every attention mask of the project, built from validity arrays and positions.
+
+Masks are boolean, True where a query may attend to a key, and are built
+once per forward pass (`Transformer.__call__`, `Transformer.encode`,
+`Transformer.decode`, `Decoder.step`) and passed down to the layers; nothing
+below this module looks at token ids to decide what to attend to.
+
+Validity is a property of keys: a padded key column is hidden from every
+query. A padded query row still attends to the valid keys (its output is
+never read: padded keys are hidden and padded targets carry no loss), so
+no row is ever fully masked unless a whole sequence is padding.
+
+Shapes: B batch, T query length, S key length, L decoder cache length.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+def padding_mask(key_valid: jax.Array, query_len: int) -> jax.Array:
+    """Hides padded key columns.
+
+    Args:
+      key_valid: bool[B, S], True at real positions.
+      query_len: T.
+    Returns:
+      bool[B, T, S].
+    """
+    batch, length = key_valid.shape
+    return jnp.broadcast_to(key_valid[:, None, :], (batch, query_len, length))
+
+
+def causal_mask(length: int) -> jax.Array:
+    """Lower-triangular mask: position t attends to positions <= t. bool[length, length]."""
+    return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+
+
+def segment_mask(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
+    """Packed rows: a query attends only to keys of its own example.
+
+    Args:
+      query_segments: int[B, T], 1, 2, ... per packed example, 0 = padding.
+      key_segments: int[B, S], same numbering.
+    Returns:
+      bool[B, T, S].
+    """
+    same = query_segments[:, :, None] == key_segments[:, None, :]
+    return same & (key_segments[:, None, :] != 0)
+
+
+def cache_mask(positions: jax.Array, cache_len: int, batch: int) -> jax.Array:
+    """Cached decoding: query t (at absolute position positions[t]) sees cache slots <= it.
+
+    Causal over the prefix and within a block of new tokens, and never the
+    empty slots beyond the last written one.
+
+    Args:
+      positions: int32[T] absolute positions of the new tokens.
+    Returns:
+      bool[B, T, L].
+    """
+    mask = jnp.arange(cache_len)[None, :] <= positions[:, None]  # [T, L]
+    return jnp.broadcast_to(mask, (batch, *mask.shape))
+
+
+class Masks(NamedTuple):
+    """The masks of one teacher-forced encoder-decoder pass."""
+
+    encoder: jax.Array  # bool[B, S, S] encoder self-attention
+    decoder: jax.Array  # bool[B, T, T] decoder self-attention (causal)
+    cross: jax.Array  # bool[B, T, S] decoder queries x encoder keys
+
+
+def encoder_mask(source_valid: jax.Array, source_segments: jax.Array | None = None) -> jax.Array:
+    """Encoder self-attention: padding (and segments of packed rows). bool[B, S, S]."""
+    mask = padding_mask(source_valid, source_valid.shape[1])
+    if source_segments is not None:
+        mask = mask & segment_mask(source_segments, source_segments)
+    return mask
+
+
+def decoder_mask(target_valid: jax.Array, target_segments: jax.Array | None = None) -> jax.Array:
+    """Decoder self-attention: causal AND padding (AND segments). bool[B, T, T]."""
+    mask = padding_mask(target_valid, target_valid.shape[1]) & causal_mask(target_valid.shape[1])
+    if target_segments is not None:
+        mask = mask & segment_mask(target_segments, target_segments)
+    return mask
+
+
+def cross_mask(
+    source_valid: jax.Array,
+    target_len: int,
+    target_segments: jax.Array | None = None,
+    source_segments: jax.Array | None = None,
+) -> jax.Array:
+    """Decoder queries x encoder keys: source padding (and segments). bool[B, T, S]."""
+    mask = padding_mask(source_valid, target_len)
+    if target_segments is not None:
+        mask = mask & segment_mask(target_segments, source_segments)
+    return mask
+
+
+def seq2seq_masks(
+    source_valid: jax.Array,
+    target_valid: jax.Array,
+    source_segments: jax.Array | None = None,
+    target_segments: jax.Array | None = None,
+) -> Masks:
+    """All three masks of a teacher-forced pass (segments: both or neither)."""
+    return Masks(
+        encoder=encoder_mask(source_valid, source_segments),
+        decoder=decoder_mask(target_valid, target_segments),
+        cross=cross_mask(source_valid, target_valid.shape[1], target_segments, source_segments),
+    )

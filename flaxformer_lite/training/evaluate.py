@@ -1,0 +1,84 @@
+"""Evaluation: teacher-forced metrics and free-running decoding against references."""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import multihost_utils
+
+from flaxformer_lite.bleu import corpus_scores
+from flaxformer_lite.data import tokenizer as tokenizer_lib
+from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training import step as step_lib
+
+
+def evaluate(
+    params,
+    dataset,
+    references: list[str],
+    tokenizer,
+    mesh,
+    *,
+    eval_fn,
+    decode_fn,
+    max_batches: int | None = None,
+    bleu: bool = False,
+) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """Teacher-forced metrics, and free-running decoding scored against the references.
+
+    Every process reads the same global batches and feeds its own rows of them;
+    the metric sums (replicated by `eval_fn`) and the hypotheses (gathered here)
+    reach every process, so all of them compute the same metrics.
+
+    Args:
+      dataset: fixed-shape global batches of the split in order (not shuffled).
+      references: the split's raw target strings, in the same order.
+      eval_fn: (params, batch) -> metric sums (`Seq2SeqModel.evaluate`, jitted).
+      decode_fn: (params, batch) -> int32[B, T] best hypotheses.
+      bleu: also compute sacreBLEU and chrF (corpus level).
+    Returns:
+      (metrics, [(prediction, reference)] for every evaluated example).
+    """
+    target_vocab = tokenizer_lib.Vocabularies.of(tokenizer).target
+    n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
+    totals: dict[str, float] = {}
+    hyps: list[str] = []
+    for i in range(n):
+        host = dataset[i]
+        rows = partitioning.process_rows(len(host["valid"]), mesh)
+        batch = step_lib.device_batch({k: v[rows] for k, v in host.items()}, mesh)
+        for k, v in jax.device_get(eval_fn(params, batch)).items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+        # [B, T]; a plain host copy with one process, an all-gather across processes.
+        predicted = multihost_utils.process_allgather(decode_fn(params, batch), tiled=True)
+        hyps.extend(target_vocab.decode_batch(predicted[host["valid"]]))
+    refs = references[: len(hyps)]
+    metrics = cross_entropy.summarize(totals)
+    metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
+    if bleu:
+        scores = corpus_scores(hyps, refs)
+        metrics["bleu"], metrics["chrf"] = scores.bleu, scores.chrf
+    return metrics, list(zip(hyps, refs))
+
+
+def bleu_signature(pairs: list[tuple[str, str]]) -> str:
+    """The sacreBLEU signature of the BLEU `evaluate` reports for these (hyp, ref) pairs."""
+    return corpus_scores([h for h, _ in pairs], [r for _, r in pairs]).signature
+
+
+def print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
+    """Logs the first `count` held-out examples and up to `count` of the errors."""
+    source_vocab = tokenizer_lib.Vocabularies.of(tokenizer).source
+    sources = []
+    for i in range(len(dataset)):
+        batch = dataset[i]
+        sources.extend(source_vocab.decode_batch(batch["inputs"][batch["valid"]]))
+    rows = list(zip(sources, pairs))
+    errors = [r for r in rows[count:] if r[1][0] != r[1][1]]  # beyond the rows shown first
+    wrong = sum(hyp != ref for _, (hyp, ref) in rows)
+    log(f"held-out test examples ({wrong} of {len(rows)} wrong), source => prediction:")
+    for src, (hyp, ref) in rows[:count] + errors[:count]:
+        log(
+            f"  {'ok ' if hyp == ref else 'ERR'} {src} => {hyp}"
+            + ("" if hyp == ref else f"  (expected: {ref})")
+        )

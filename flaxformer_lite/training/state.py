@@ -1,0 +1,54 @@
+"""The train state, created abstractly first and then directly into its shardings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from flaxformer_lite.models.base import Seq2SeqModel
+from flaxformer_lite.parallel import partitioning
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a resumed run needs. Pytree of arrays only (the optimiser is static)."""
+
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Any  # model parameters
+    opt_state: Any  # optimiser moments
+    rng: jax.Array  # uint32[2] base key for dropout; step keys are folded in
+
+
+def _init_fn(
+    model: Seq2SeqModel,
+    tx: optax.GradientTransformation,
+    seed: int,
+    source_len: int,
+    target_len: int,
+) -> Callable[[], TrainState]:
+    def init() -> TrainState:
+        params_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
+        shapes = {"inputs": (1, source_len), "targets": (1, target_len)}
+        params = model.init(params_rng, shapes)
+        return TrainState(jnp.int32(0), params, tx.init(params), dropout_rng)
+
+    return init
+
+
+def abstract_state(model: Seq2SeqModel, tx, seed: int, source_len: int, target_len: int):
+    """Shapes of the train state, with logical-axis boxes, without allocating."""
+    return jax.eval_shape(_init_fn(model, tx, seed, source_len, target_len))
+
+
+def create_state(model: Seq2SeqModel, tx, mesh, *, seed: int, source_len: int, target_len: int):
+    """Initialises the state directly into its shardings. Returns (state, shardings)."""
+    init = _init_fn(model, tx, seed, source_len, target_len)
+    shardings = partitioning.logical_shardings(jax.eval_shape(init), mesh)
+    state = jax.jit(lambda: nn.meta.unbox(init()), out_shardings=shardings)()
+    return state, shardings

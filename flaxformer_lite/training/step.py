@@ -1,0 +1,101 @@
+"""The jitted train and evaluation steps, written against the model protocol only."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flaxformer_lite.models.base import Seq2SeqModel
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training.state import TrainState
+
+
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    model: Seq2SeqModel,
+    tx: optax.GradientTransformation,
+    grad_accum_steps: int = 1,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One update with the gradient of `model.loss`.
+
+    The gradient is that of the per-token mean loss over the whole batch. With
+    `grad_accum_steps` > 1 the batch is split into that many micro-batches run
+    one after another by `lax.scan` (activation memory of one micro-batch); the
+    summed gradients are divided by the batch's token count once, so the update
+    equals the one-batch update.
+
+    Args:
+      batch: the model's batch (`models/base.py`): "inputs" int32[B, S],
+        "targets" int32[B, T], packing fields for packed rows. B must be
+        divisible by `grad_accum_steps`.
+    Returns:
+      (new state, metric sums as float32 scalars, plus "grad_norm").
+    """
+    rng = jax.random.fold_in(state.rng, state.step)
+    grad_fn = jax.grad(
+        lambda params, mb, key: model.loss(params, mb, key, state.step), has_aux=True
+    )
+    if grad_accum_steps == 1:
+        grads, sums = grad_fn(state.params, batch, rng)
+    else:
+        n = grad_accum_steps
+        micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+        def accumulate(carry, inputs):
+            i, mb = inputs
+            g, s = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+            return jax.tree.map(jnp.add, carry, (g, s)), None
+
+        zeros = jax.eval_shape(
+            lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], micro), rng)
+        )
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
+        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(n), micro))
+    grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    sums["grad_norm"] = optax.global_norm(grads)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
+
+
+def jit_train_step(
+    model: Seq2SeqModel,
+    tx: optax.GradientTransformation,
+    mesh,
+    state_shardings,
+    *,
+    grad_accum_steps=1,
+):
+    """`train_step` jitted on `mesh`: (state, batch) -> (new state, replicated metric sums).
+
+    On accelerators the old state is donated, so parameters and optimiser
+    moments are updated in place (one copy of the state in device memory).
+    On CPU it is not: it gave no faster step there and fragmented the host
+    heap (measurements in PERF.md).
+    """
+    donate = () if mesh.devices.flat[0].platform == "cpu" else (0,)
+    return jax.jit(
+        functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps),
+        in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
+        out_shardings=(state_shardings, partitioning.replicated(mesh)),
+        donate_argnums=donate,
+    )
+
+
+def jit_eval_step(model: Seq2SeqModel, mesh):
+    """`model.evaluate` jitted: (params, batch) -> metric sums, replicated on every process."""
+    return jax.jit(model.evaluate, out_shardings=partitioning.replicated(mesh))
+
+
+def device_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    """The model's fields of this process's rows of a batch, as global arrays on the mesh.
+
+    Everything but the host-side "valid" row flags goes to the devices.
+    """
+    return partitioning.put_batch({k: v for k, v in batch.items() if k != "valid"}, mesh)
