@@ -20,27 +20,10 @@ from typing import Any
 import grain
 import numpy as np
 
+from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str, texts
 from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
 
-SOURCE_FIELD = "source"
-TARGET_FIELD = "target"
-
-
-def _as_str(value: str | bytes | np.ndarray) -> str:
-    """Returns a text feature as ``str``; TFDS data sources store text as UTF-8 bytes."""
-    if isinstance(value, np.ndarray):
-        value = value.item()
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    return str(value)
-
-
-def texts(source: Sequence[Mapping[str, Any]], field: str) -> list[str]:
-    """Returns ``field`` of every example of ``source``, in order, as decoded strings.
-
-    Used to train the tokenizer on a split and to read reference targets.
-    """
-    return [_as_str(source[i][field]) for i in range(len(source))]
+__all__ = ["SOURCE_FIELD", "TARGET_FIELD", "count_truncated", "make_dataset", "texts"]
 
 
 def count_truncated(
@@ -71,8 +54,8 @@ def _tokenize_example(
 ) -> dict[str, np.ndarray]:
     """Tokenizes one example into ``inputs: int32[max_source_len]``, ``targets:
     int32[max_target_len]`` (ids + EOS, PAD-padded, truncated keeping EOS last)."""
-    inputs, _ = tokenizer.source.encode_batch([_as_str(example[SOURCE_FIELD])], max_source_len)
-    targets, _ = tokenizer.target.encode_batch([_as_str(example[TARGET_FIELD])], max_target_len)
+    inputs, _ = tokenizer.source.encode_batch([as_str(example[SOURCE_FIELD])], max_source_len)
+    targets, _ = tokenizer.target.encode_batch([as_str(example[TARGET_FIELD])], max_target_len)
     return {"inputs": inputs[0], "targets": targets[0]}
 
 
