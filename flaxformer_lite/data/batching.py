@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str
-from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, Vocabularies
+from flaxformer_lite.data.tokenizer import PAD_ID, Vocabularies, with_eos
 
 Batch = dict[str, np.ndarray]
 
@@ -99,11 +99,8 @@ def tokenize_split(
     for i in range(len(source)):
         example = source[i]  # read once: a TFDS data source decodes a record per access
         for side, field in enumerate((SOURCE_FIELD, TARGET_FIELD)):
-            ids = list(encoders[side].encode(as_str(example[field])))
-            if len(ids) >= limits[side]:  # no room for EOS after all ids
-                truncated[side] += 1
-                del ids[limits[side] - 1 :]
-            ids.append(EOS_ID)
+            ids, cut = with_eos(encoders[side].encode(as_str(example[field])), limits[side])
+            truncated[side] += cut
             pieces[side].append(ids)
     arrays = []
     for side_pieces in pieces:
