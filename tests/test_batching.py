@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.data import batching
-from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, with_eos
 
 NUM_EXAMPLES = 300
 MAX_LEN = 48  # longer than any synthetic sentence (40 ids + EOS): nothing is truncated
@@ -102,20 +102,17 @@ def test_tokenize_split_counts_truncations(split):
         assert ids.dtype == np.int32 and ids.size == length and ids[-1] == EOS_ID
 
 
-def test_tokenize_split_matches_the_fixed_shape_pipeline():
-    """A real tokenizer: rows of ``Tokenizer.encode_batch`` (what pipeline.py uses)."""
-    texts = ["a small house", "ein kleines haus am see", "the dog runs", "der hund", "x" * 30]
-    split = [{"source": s, "target": t} for s, t in zip(texts, texts[1:] + texts[:1])]
-    tokenizer = Tokenizer.train(texts * 4, vocab_size=40)
-    tokenized = batching.tokenize_split(split, tokenizer, max_source_len=6, max_target_len=6)
-    for side, field, count in (
-        (tokenized.sources, "source", tokenized.num_sources_truncated),
-        (tokenized.targets, "target", tokenized.num_targets_truncated),
-    ):
-        rows, expected_count = tokenizer.encode_batch([ex[field] for ex in split], 6)
-        assert count == expected_count > 0
-        for ids, row in zip(side, rows):
-            np.testing.assert_array_equal(ids, row[row != PAD_ID])
+def test_with_eos_appends_eos_and_keeps_it_last_when_cutting():
+    assert with_eos([], 1) == ([EOS_ID], False)
+    assert with_eos([5, 6], 3) == ([5, 6, EOS_ID], False)  # exactly fits
+    assert with_eos([5, 6, 7], 3) == ([5, 6, EOS_ID], True)  # no room for EOS after all ids
+    assert with_eos([5, 6, 7, 8, 9], 3) == ([5, 6, EOS_ID], True)
+    assert with_eos([5, 6, 7], 1) == ([EOS_ID], True)
+    ids = [5, 6]
+    with_eos(ids, 2)
+    assert ids == [5, 6]  # the input is not modified
+    with pytest.raises(ValueError, match="max_len"):
+        with_eos([5], 0)
 
 
 def test_default_buckets():

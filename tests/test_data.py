@@ -1,4 +1,4 @@
-"""Tests of flaxformer_lite.data: task generation, TFDS storage, tokenizer and grain pipeline."""
+"""Tests of flaxformer_lite.data: task generation, TFDS storage, tokenizer and fixed batches."""
 
 from __future__ import annotations
 
@@ -311,7 +311,7 @@ def test_random_access_matches_iteration(small_source, small_tokenizer):
         for key in ("inputs", "targets", "valid"):
             np.testing.assert_array_equal(ds[step][key], iterated[step][key])
     # Resuming from step 9 with a fresh pipeline gives the same continuation.
-    resumed = iter(_make(small_source, small_tokenizer, batch_size=12, repeat=True)[9:])
+    resumed = _make(small_source, small_tokenizer, batch_size=12, repeat=True).iter_from(9)
     for step in range(9, 12):
         np.testing.assert_array_equal(next(resumed)["inputs"], iterated[step]["inputs"])
 

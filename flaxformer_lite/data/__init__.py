@@ -1,6 +1,9 @@
-"""Data for flaxformer_lite: the number-words task, the tokenizer and the batching pipeline.
+"""Data for flaxformer_lite: the tasks and corpora, the tokenizer and the batching plans.
 
+* :mod:`flaxformer_lite.data.common`: example fields, text decoding, the seeded split.
 * :mod:`flaxformer_lite.data.numbers`: generates the task and stores it as a TFDS dataset.
+* :mod:`flaxformer_lite.data.translation`: local corpora and TFDS catalog datasets.
 * :mod:`flaxformer_lite.data.tokenizer`: SentencePiece tokenizer with fixed reserved ids.
-* :mod:`flaxformer_lite.data.pipeline`: grain datasets of fixed-shape token-id batches.
+* :mod:`flaxformer_lite.data.batching`: fixed, bucketed and packed batches of token ids.
+* :mod:`flaxformer_lite.data.pipeline`: ``make_dataset``, the fixed batches' first signature.
 """

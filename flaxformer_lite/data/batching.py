@@ -2,6 +2,8 @@
 
 A split (as in :mod:`flaxformer_lite.data.pipeline`) is tokenized once by
 :func:`tokenize_split`; a plan then maps every global step to a dict of numpy arrays:
+:class:`FixedBatches` uses one shape, the maxima, with the examples as one stream across epochs
+(training) or one ordered pass with a padded last batch (evaluation, :func:`eval_batches`);
 :class:`BucketedBatches` puts each example in the smallest of a few ``(source_len,
 target_len)`` shapes that fits it (one compile per shape), :class:`PackedBatches` puts several
 examples in each row of one shape, told apart by the ``*_segments`` / ``*_positions`` arrays
@@ -10,7 +12,8 @@ of ``Transformer.__call__(..., packing=...)``.
 ``plan[step]``, for any ``step >= 0``, is a pure function of the constructor arguments and
 ``step`` (epoch ``step // len(plan)``, laid out by a generator seeded with ``(seed, epoch)``):
 a resumed run reads ``plan[step]`` and sees what an uninterrupted run would, with no iterator
-state to save. Every epoch holds each example exactly once, in the same number of batches.
+state to save. Every epoch holds each example exactly once, in the same number of batches
+(:class:`FixedBatches`: ``step`` alone decides the batch; its epochs follow grain's shuffle).
 For background prefetching with grain, map over steps (``grain.MapDataset.range(start,
 stop).map(plan.__getitem__)``): ``grain.MapDataset.source(plan)`` wraps indices modulo
 ``len(plan)`` and would replay epoch 0 forever.
@@ -24,14 +27,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+import grain
 import numpy as np
 
-from flaxformer_lite.data.pipeline import SOURCE_FIELD, TARGET_FIELD, _as_str
-from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, Vocabularies
+from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str
+from flaxformer_lite.data.tokenizer import PAD_ID, Vocabularies, with_eos
 
 Batch = dict[str, np.ndarray]
 
@@ -84,10 +89,9 @@ def tokenize_split(
     Strings are encoded one at a time: SentencePiece's list API starts a thread pool per call,
     which is slower for short sentences. Multi30k train (29,000 pairs) takes about 0.5 s.
     """
-    if min(max_source_len, max_target_len) < 1 or len(source) == 0:
+    if min(max_source_len, max_target_len) < 1:
         raise ValueError(
-            f"tokenize_split needs max lengths >= 1 (got {max_source_len}, {max_target_len}) "
-            f"and a split with at least one example (got {len(source)})"
+            f"tokenize_split needs max lengths >= 1, got {max_source_len}, {max_target_len}"
         )
     limits = (max_source_len, max_target_len)
     if isinstance(tokenizer, Vocabularies):
@@ -99,18 +103,16 @@ def tokenize_split(
     for i in range(len(source)):
         example = source[i]  # read once: a TFDS data source decodes a record per access
         for side, field in enumerate((SOURCE_FIELD, TARGET_FIELD)):
-            ids = list(encoders[side].encode(_as_str(example[field])))
-            if len(ids) >= limits[side]:  # no room for EOS after all ids
-                truncated[side] += 1
-                del ids[limits[side] - 1 :]
-            ids.append(EOS_ID)
+            ids, cut = with_eos(encoders[side].encode(as_str(example[field])), limits[side])
+            truncated[side] += cut
             pieces[side].append(ids)
     arrays = []
     for side_pieces in pieces:
         lengths = np.fromiter(map(len, side_pieces), np.int32, len(side_pieces))
         flat = np.fromiter(itertools.chain.from_iterable(side_pieces), np.int32, int(lengths.sum()))
         offsets = np.cumsum(lengths, dtype=np.int64) - lengths
-        arrays.append((np.split(flat, offsets[1:]), flat, offsets, lengths))
+        views = np.split(flat, offsets[1:]) if len(side_pieces) else []
+        arrays.append((views, flat, offsets, lengths))
     (sources, source_ids, source_offsets, source_lengths) = arrays[0]
     (targets, target_ids, target_offsets, target_lengths) = arrays[1]
     return Tokenized(
@@ -150,10 +152,13 @@ class _Plan:
     """
 
     batches_per_epoch: int
+    _allows_empty = False  # bucketing and packing need at least one example
 
     def __init__(
         self, tokenized: Tokenized, seed: int, shuffle: bool, process_index: int, count: int
     ) -> None:
+        if len(tokenized) == 0 and not self._allows_empty:
+            raise ValueError(f"{type(self).__name__} needs a split with at least one example")
         if seed < 0:
             raise ValueError(f"seed must be >= 0 (it seeds numpy's SeedSequence), got {seed}")
         if not 0 <= process_index < count:
@@ -190,13 +195,30 @@ class _Plan:
     def __len__(self) -> int:
         return self.batches_per_epoch
 
+    def _rows(self, ids: np.ndarray, shape: tuple[int, int]) -> Batch:
+        """``{"inputs": int32[n, S], "targets": int32[n, T], "valid": bool[n]}`` of the examples
+        ``ids`` (``int64[n]``; -1 is an all-PAD filler row whose ``valid`` is False)."""
+        valid = ids >= 0
+        safe = np.where(valid, ids, 0)
+        batch = {"valid": valid}
+        for key, width, (flat, offsets, lengths) in zip(("inputs", "targets"), shape, self._sides):
+            batch[key] = _gather(flat, offsets[safe], np.where(valid, lengths[safe], 0), width)
+        return batch
+
     def __getitem__(self, step: int) -> Batch:
         """This process's rows of global batch ``step`` (any ``step >= 0``, across epochs)."""
         step = operator.index(step)
         if step < 0:
             raise IndexError(f"step must be >= 0 (steps run across epochs forever), got {step}")
+        return self._batch(step)
+
+    def _batch(self, step: int) -> Batch:
         epoch, index = divmod(step, self.batches_per_epoch)
         return self._build(self._epoch_layout(epoch), index)
+
+    def _step_members(self, step: int) -> tuple[np.ndarray, int]:
+        """(example ids, cells of both sides) of global batch ``step``."""
+        return self._members(self._epoch_layout(step // len(self)), step % len(self))
 
     def __iter__(self) -> Iterator[Batch]:
         """The batches of epoch 0; :meth:`iter_from` runs across epochs."""
@@ -211,9 +233,7 @@ class _Plan:
         global batches of steps ``[0, num_batches)``; one epoch by default."""
         cells = tokens = 0
         for step in range(self.batches_per_epoch if num_batches is None else num_batches):
-            members, batch_cells = self._members(
-                self._epoch_layout(step // len(self)), step % len(self)
-            )
+            members, batch_cells = self._step_members(step)
             cells, tokens = cells + batch_cells, tokens + int(self._tokens[members].sum())
         return 1.0 - tokens / max(cells, 1)
 
@@ -317,19 +337,126 @@ class BucketedBatches(_Plan):
 
     def _build(self, layout: list[tuple[int, np.ndarray]], index: int) -> Batch:
         bucket, ids = layout[index]
-        ids = ids[self._shard(ids.size)]
-        valid = ids >= 0
-        safe = np.where(valid, ids, 0)
-        batch = {"valid": valid}
-        for key, width, (flat, offsets, lengths) in zip(
-            ("inputs", "targets"), self.buckets[bucket], self._sides
-        ):
-            batch[key] = _gather(flat, offsets[safe], np.where(valid, lengths[safe], 0), width)
-        return batch
+        return self._rows(ids[self._shard(ids.size)], self.buckets[bucket])
 
     def _members(self, layout: list[tuple[int, np.ndarray]], index: int) -> tuple[np.ndarray, int]:
         bucket, ids = layout[index]
         return ids[ids >= 0], self.rows[bucket] * sum(self.buckets[bucket])
+
+
+class FixedBatches(_Plan):
+    """Batches of one shape, the tokenization maxima ``(S, T)``: the one-bucket case, with the
+    examples read as one stream that runs across epochs (training) or in split order (eval).
+
+    ``plan[step]`` is ``{"inputs": int32[B / P, S], "targets": int32[B / P, T], "valid":
+    bool[B / P]}``: rows ``[p * B / P, (p + 1) * B / P)`` of stream examples ``[step * B,
+    (step + 1) * B)``. Example ``k`` of the stream is the one grain's
+    ``MapDataset.range(n).shuffle(seed).repeat(None, reseed_each_epoch=True)`` yields at ``k``
+    (a new permutation each epoch), so training batches are those of the earlier grain
+    pipeline (``shuffle`` + ``repeat`` + ``drop_remainder``), batch for batch. Unlike
+    :class:`BucketedBatches`, a batch may hold the end of one epoch and the start of the next,
+    so every training batch is full.
+
+    Args:
+        tokenized: output of :func:`tokenize_split`; its maxima are the batch shape.
+        batch_size: rows ``B`` of a global batch, a multiple of ``process_count``.
+        seed, shuffle: non-negative shuffle seed; False keeps split order.
+        repeat: run over the split forever (``len`` is then ``sys.maxsize``); else one pass of
+            ``n // B`` batches with ``drop_remainder``, or ``ceil(n / B)`` with the last padded
+            by all-PAD rows whose ``valid`` is False.
+        process_index, process_count: this process in ``[0, P)``, and ``P``.
+    """
+
+    _allows_empty = True  # an empty evaluation split has no batches
+
+    def __init__(
+        self,
+        tokenized: Tokenized,
+        *,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        repeat: bool = True,
+        drop_remainder: bool = True,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> None:
+        super().__init__(tokenized, seed, shuffle, process_index, process_count)
+        if batch_size < 1 or batch_size % process_count:
+            raise ValueError(
+                f"batch_size ({batch_size}) must be a positive multiple of process_count "
+                f"({process_count})"
+            )
+        n = len(tokenized)
+        if repeat and n == 0:
+            raise ValueError("FixedBatches cannot repeat a split without examples")
+        self.batch_size, self.repeat = batch_size, repeat
+        self.shape = (tokenized.max_source_len, tokenized.max_target_len)
+        self._stream_len = sys.maxsize if repeat else n
+        if repeat:
+            self.batches_per_epoch = sys.maxsize
+        else:
+            self.batches_per_epoch = n // batch_size if drop_remainder else -(-n // batch_size)
+        order = grain.MapDataset.range(n)
+        if shuffle:
+            order = order.shuffle(seed=seed)
+        if repeat:
+            # Shuffling before repeating gives each epoch its own permutation.
+            order = order.repeat(None, reseed_each_epoch=True)
+        self._order = order
+
+    def shapes(self) -> set[tuple[int, int, int]]:
+        """The one ``(rows, S, T)`` shape of this process's batches."""
+        return {(self.batch_size // self.process_count, *self.shape)}
+
+    def _ids(self, lo: int, hi: int) -> np.ndarray:
+        """``int64[hi - lo]``: the examples at stream positions ``[lo, hi)``, -1 past its end."""
+        ids = np.full(hi - lo, -1, dtype=np.int64)
+        real = range(lo, min(hi, self._stream_len))
+        ids[: len(real)] = [self._order[k] for k in real]
+        return ids
+
+    def _batch(self, step: int) -> Batch:
+        if step >= self.batches_per_epoch:
+            raise IndexError(f"step {step} is past the last batch ({self.batches_per_epoch - 1})")
+        rows = self._shard(self.batch_size, base=step * self.batch_size)
+        return self._rows(self._ids(rows.start, rows.stop), self.shape)
+
+    def _step_members(self, step: int) -> tuple[np.ndarray, int]:
+        ids = self._ids(step * self.batch_size, (step + 1) * self.batch_size)
+        return ids[ids >= 0], self.batch_size * sum(self.shape)
+
+
+def eval_batches(
+    source: Sequence[Mapping[str, Any]],
+    tokenizer: Encoder | Vocabularies,
+    *,
+    batch_size: int,
+    max_source_len: int,
+    max_target_len: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> FixedBatches:
+    """Evaluation batches of a split: in split order, one pass, the last batch padded to
+    ``batch_size`` rows with all-PAD rows whose ``valid`` is False.
+
+    ``batches[i]``, ``i < len(batches) = ceil(n / batch_size)``, is ``{"inputs":
+    int32[B / P, max_source_len], "targets": int32[B / P, max_target_len], "valid":
+    bool[B / P]}`` (this process's rows of global batch ``i``, as in :class:`FixedBatches`).
+    """
+    tokenized = tokenize_split(
+        source, tokenizer, max_source_len=max_source_len, max_target_len=max_target_len
+    )
+    return FixedBatches(
+        tokenized,
+        batch_size=batch_size,
+        seed=0,
+        shuffle=False,
+        repeat=False,
+        drop_remainder=False,
+        process_index=process_index,
+        process_count=process_count,
+    )
 
 
 def _pack(

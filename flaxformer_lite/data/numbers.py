@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
 import tensorflow_datasets as tfds
 from num2words import CONVERTER_CLASSES, num2words
 
-SPLITS: tuple[str, ...] = ("train", "validation", "test")
+from flaxformer_lite.data._tfds import Log, PairsBuilder, prepare
+from flaxformer_lite.data.common import SPLITS, check_fractions, seeded_split
 
 
 def supported_languages() -> list[str]:
@@ -56,18 +56,6 @@ def _check_languages(languages: Sequence[str]) -> tuple[str, ...]:
     return languages
 
 
-def _check_fractions(valid_fraction: float, test_fraction: float) -> None:
-    """Raises ValueError unless both fractions are in [0, 1) and sum to less than 1."""
-    for name, value in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {value}")
-    if valid_fraction + test_fraction >= 1.0:
-        raise ValueError(
-            "valid_fraction + test_fraction must be < 1 so that train is not empty, got "
-            f"{valid_fraction} + {test_fraction}"
-        )
-
-
 def generate_pairs(
     languages: Sequence[str],
     max_number: int,
@@ -78,10 +66,8 @@ def generate_pairs(
     """Generates the (source, target) string pairs of every split.
 
     All ``len(languages) * (max_number + 1)`` items ``(lang, number)`` are ordered
-    language-major, then permuted with ``np.random.default_rng(seed).permutation``. The first
-    ``round(valid_fraction * n)`` permuted items form "validation", the next
-    ``round(test_fraction * n)`` form "test" and the rest "train"; each split keeps the
-    permutation order. The result depends only on the arguments.
+    language-major, then assigned to splits by :func:`~.common.seeded_split`; each split keeps
+    the permutation order. The result depends only on the arguments.
 
     Args:
         languages: ``num2words`` language codes, e.g. ``("en", "de", "fr")``.
@@ -95,26 +81,21 @@ def generate_pairs(
         e.g. ``("de 21", "einundzwanzig")``.
     """
     languages = _check_languages(languages)
-    _check_fractions(valid_fraction, test_fraction)
+    check_fractions(valid_fraction, test_fraction)
     if max_number < 0:
         raise ValueError(f"max_number must be >= 0, got {max_number}")
 
     per_language = max_number + 1
-    total = len(languages) * per_language
-    order = np.random.default_rng(seed).permutation(total)
-    num_valid = round(valid_fraction * total)
-    num_test = round(test_fraction * total)
-    bounds = {
-        "validation": (0, num_valid),
-        "test": (num_valid, num_valid + num_test),
-        "train": (num_valid + num_test, total),
-    }
-
+    items = seeded_split(
+        len(languages) * per_language,
+        seed=seed,
+        valid_fraction=valid_fraction,
+        test_fraction=test_fraction,
+    )
     pairs: dict[str, list[tuple[str, str]]] = {}
     for split in SPLITS:
-        start, stop = bounds[split]
         split_pairs = []
-        for item in order[start:stop]:
+        for item in items[split]:
             lang = languages[int(item) // per_language]
             number = int(item) % per_language
             split_pairs.append((f"{lang} {number}", num2words(number, lang=lang)))
@@ -139,7 +120,7 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         test_fraction: float,
     ) -> None:
         languages = _check_languages(languages)
-        _check_fractions(valid_fraction, test_fraction)
+        check_fractions(valid_fraction, test_fraction)
         name = f"{'-'.join(languages)}_{max_number}_s{seed}_v{valid_fraction:g}_t{test_fraction:g}"
         super().__init__(
             name=name,
@@ -156,30 +137,14 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         self.test_fraction = test_fraction
 
 
-# `skip_registration` keeps the class out of TFDS's global name registry: the builder is only
-# ever constructed directly, and re-importing this module must not raise a name collision.
-class NumberWords(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class NumberWords(PairsBuilder, skip_registration=True):
     """TFDS builder of the number-words task; construct it with a :class:`NumberWordsConfig`.
 
     Features: ``{"source": Text, "target": Text}``; splits "train", "validation", "test".
     """
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Initial release."}
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        # `dataset_info_from_configs` reads metadata files next to the builder module, which
-        # only exist for packaged datasets, so the DatasetInfo is built directly.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description="Cardinal numbers in digits paired with the same number in words.",
-            features=tfds.features.FeaturesDict(
-                {"source": tfds.features.Text(), "target": tfds.features.Text()}
-            ),
-            supervised_keys=("source", "target"),
-            # Keep the seeded permutation order of `generate_pairs` instead of TFDS key hashing.
-            disable_shuffling=True,
-        )
+    def _description(self) -> str:
+        return "Cardinal numbers in digits paired with the same number in words."
 
     def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[str, dict]]]:
         del dl_manager  # Everything is generated locally.
@@ -210,6 +175,8 @@ def load_number_words(
     seed: int,
     valid_fraction: float,
     test_fraction: float,
+    *,
+    log: Log | None = None,
 ) -> dict[str, Sequence[dict[str, bytes]]]:
     """Prepares (once) and opens the number-words dataset stored under ``data_dir``.
 
@@ -220,8 +187,8 @@ def load_number_words(
         ``{split: source}`` for "train", "validation" and "test". Each source is a random-access
         sequence whose items are ``{"source": bytes, "target": bytes}`` (UTF-8), in the split
         order of :func:`generate_pairs`. A split with no examples (fraction 0) is an empty tuple.
+        ``log``, when given, is called with progress lines.
     """
-    tfds.disable_progress_bar()
     config = NumberWordsConfig(
         languages=languages,
         max_number=max_number,
@@ -230,7 +197,4 @@ def load_number_words(
         test_fraction=test_fraction,
     )
     builder = NumberWords(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
-    if not builder.is_prepared():
-        builder.download_and_prepare()
-    sources = builder.as_data_source()
-    return {split: sources.get(split, ()) for split in SPLITS}
+    return prepare(builder, SPLITS, log)

@@ -1,9 +1,9 @@
-"""Grain pipeline: text examples -> fixed-shape batches of token ids.
+"""Fixed-shape batches of token ids under their first signature, :func:`make_dataset`.
 
-A split is any random-access sequence of ``{"source": str | bytes, "target": str | bytes}``
-dicts (e.g. what :func:`flaxformer_lite.data.numbers.load_number_words` returns). Every batch
-produced by :func:`make_dataset` is a dict of numpy arrays with static shapes, so a jitted step
-function compiles once:
+The batches themselves are :class:`flaxformer_lite.data.batching.FixedBatches` (one shape, the
+one-bucket case of the batching plans); new code builds those directly, or
+:func:`~flaxformer_lite.data.batching.eval_batches` for evaluation. Every batch is a dict of
+numpy arrays with static shapes, so a jitted step function compiles once:
 
 * ``"inputs"``: ``int32[batch_size, max_source_len]``, source ids + EOS, right-padded with PAD;
 * ``"targets"``: ``int32[batch_size, max_target_len]``, target ids + EOS, right-padded with PAD;
@@ -13,34 +13,14 @@ function compiles once:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grain
-import numpy as np
+from flaxformer_lite.data.batching import FixedBatches, tokenize_split
+from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, texts
+from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies
 
-from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
-
-SOURCE_FIELD = "source"
-TARGET_FIELD = "target"
-
-
-def _as_str(value: str | bytes | np.ndarray) -> str:
-    """Returns a text feature as ``str``; TFDS data sources store text as UTF-8 bytes."""
-    if isinstance(value, np.ndarray):
-        value = value.item()
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    return str(value)
-
-
-def texts(source: Sequence[Mapping[str, Any]], field: str) -> list[str]:
-    """Returns ``field`` of every example of ``source``, in order, as decoded strings.
-
-    Used to train the tokenizer on a split and to read reference targets.
-    """
-    return [_as_str(source[i][field]) for i in range(len(source))]
+__all__ = ["SOURCE_FIELD", "TARGET_FIELD", "count_truncated", "make_dataset", "texts"]
 
 
 def count_truncated(
@@ -62,45 +42,6 @@ def count_truncated(
     return num_sources, num_targets
 
 
-def _tokenize_example(
-    example: Mapping[str, Any],
-    *,
-    tokenizer: Vocabularies,
-    max_source_len: int,
-    max_target_len: int,
-) -> dict[str, np.ndarray]:
-    """Tokenizes one example into ``inputs: int32[max_source_len]``, ``targets:
-    int32[max_target_len]`` (ids + EOS, PAD-padded, truncated keeping EOS last)."""
-    inputs, _ = tokenizer.source.encode_batch([_as_str(example[SOURCE_FIELD])], max_source_len)
-    targets, _ = tokenizer.target.encode_batch([_as_str(example[TARGET_FIELD])], max_target_len)
-    return {"inputs": inputs[0], "targets": targets[0]}
-
-
-def _stack_batch(
-    examples: Sequence[Mapping[str, np.ndarray]], *, batch_size: int
-) -> dict[str, np.ndarray]:
-    """Stacks tokenized examples and pads a short batch with all-PAD rows up to ``batch_size``.
-
-    Returns:
-        ``inputs: int32[batch_size, max_source_len]``, ``targets: int32[batch_size,
-        max_target_len]`` and ``valid: bool[batch_size]`` (True for the real examples).
-    """
-    num_real = len(examples)
-    batch: dict[str, np.ndarray] = {}
-    for key in ("inputs", "targets"):
-        rows = np.stack([example[key] for example in examples]).astype(np.int32)
-        if num_real < batch_size:
-            # Filler rows keep the batch shape static (no recompilation for the last batch);
-            # `valid` tells metrics to ignore them.
-            filler = np.full((batch_size - num_real, rows.shape[1]), PAD_ID, dtype=np.int32)
-            rows = np.concatenate([rows, filler], axis=0)
-        batch[key] = rows
-    valid = np.zeros((batch_size,), dtype=bool)
-    valid[:num_real] = True
-    batch["valid"] = valid
-    return batch
-
-
 def make_dataset(
     source: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer | Vocabularies,
@@ -114,7 +55,7 @@ def make_dataset(
     drop_remainder: bool,
     process_index: int = 0,
     process_count: int = 1,
-) -> grain.MapDataset:
+) -> FixedBatches:
     """Builds a random-access dataset of fixed-shape batches from a split.
 
     Element ``i`` of the returned dataset is batch ``i``: a dict with ``"inputs"``
@@ -124,7 +65,7 @@ def make_dataset(
 
     Batch ``i`` is a pure function of ``(source, tokenizer, arguments, i)``: ``ds[step]`` gives
     exactly what iterating ``ds`` would give at that step, so a training run resumes at step
-    ``s`` by reading ``ds[s], ds[s + 1], ...`` (or iterating ``ds[s:]``) with no iterator state
+    ``s`` by reading ``ds[s], ds[s + 1], ...`` (or ``ds.iter_from(s)``) with no iterator state
     to checkpoint.
 
     Args:
@@ -148,7 +89,7 @@ def make_dataset(
             or ``drop_remainder`` is required).
 
     Returns:
-        A ``grain.MapDataset`` of batch dicts.
+        A :class:`~.batching.FixedBatches` of batch dicts (random access and ``len``).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -167,29 +108,16 @@ def make_dataset(
             "a final partial batch cannot be split between processes: pass repeat or "
             "drop_remainder, or read global batches and slice them"
         )
-    ds = grain.MapDataset.source(source)
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    if repeat:
-        # Shuffling happens before repeating, so each epoch gets its own permutation.
-        ds = ds.repeat(None, reseed_each_epoch=True)
-    # Module-level functions (not closures) keep the transforms picklable.
-    ds = ds.map(
-        functools.partial(
-            _tokenize_example,
-            tokenizer=Vocabularies.of(tokenizer),
-            max_source_len=max_source_len,
-            max_target_len=max_target_len,
-        )
+    tokenized = tokenize_split(
+        source, tokenizer, max_source_len=max_source_len, max_target_len=max_target_len
     )
-    rows = batch_size // process_count
-    ds = ds.batch(
-        rows,
+    return FixedBatches(
+        tokenized,
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        repeat=repeat,
         drop_remainder=drop_remainder,
-        batch_fn=functools.partial(_stack_batch, batch_size=rows),
+        process_index=process_index,
+        process_count=process_count,
     )
-    if process_count > 1:
-        # Global batch i is local batches [i * P, (i + 1) * P) in this order; grain slices
-        # lazily, so the other processes' examples are never tokenized here.
-        ds = ds[: len(ds) // process_count * process_count][process_index::process_count]
-    return ds

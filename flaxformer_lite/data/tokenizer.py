@@ -6,8 +6,8 @@ The model code relies on these ids and never looks them up:
 * ``UNK_ID = 1``: any character not covered by the vocabulary (encoding never raises).
 * ``BOS_ID = 2``: reserved start token (e.g. a decoder start); never produced by
   :meth:`Tokenizer.encode`.
-* ``EOS_ID = 3``: end of sequence; :meth:`Tokenizer.encode_batch` appends it and
-  :meth:`Tokenizer.decode` stops at it.
+* ``EOS_ID = 3``: end of sequence; :func:`with_eos` appends it (keeping it last when cutting
+  to a maximum length) and :meth:`Tokenizer.decode` stops at it.
 
 Training is in memory and deterministic: the same texts and arguments give a byte-identical
 serialized model, so a vocabulary can be rebuilt instead of shipped.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,8 +29,29 @@ import numpy as np
 import sentencepiece as spm
 
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
+from flaxformer_lite.files import atomic_write
 
 _MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+
+def with_eos(ids: Sequence[int], max_len: int) -> tuple[list[int], bool]:
+    """``ids`` + EOS_ID, cut to ``max_len`` ids so that EOS_ID stays last.
+
+    The one rule for every over-long sequence the model reads: the model always sees an end
+    marker, and the cut is reported so callers can count (or refuse) truncated examples.
+
+    Args:
+        ids: token ids without EOS, e.g. ``Tokenizer.encode(text)``.
+        max_len: the most ids of the result, EOS included; must be >= 1.
+
+    Returns:
+        ``(ids, truncated)``: a new list of ``min(len(ids) + 1, max_len)`` ids ending in
+        EOS_ID, and whether ids were dropped.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    truncated = len(ids) >= max_len  # no room for EOS after all ids
+    return [*ids[: max_len - 1], EOS_ID] if truncated else [*ids, EOS_ID], truncated
 
 
 class Tokenizer:
@@ -139,24 +159,9 @@ class Tokenizer:
         return self._processor.serialized_model_proto()
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes the serialized model to ``path`` atomically.
-
-        The bytes go to a temporary file in the same directory which then replaces ``path``,
-        so a reader (or a crash) never sees a partially written model.
-        """
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".model")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_bytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_path, path)
-        except BaseException:
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-            raise
+        """Writes the serialized model to ``path`` atomically: a reader (or a crash) never sees
+        a partially written model."""
+        atomic_write(path, self.to_bytes())
 
     def __getstate__(self) -> dict[str, Any]:
         # The SWIG processor itself is not reliably picklable; its serialized model is.
@@ -221,7 +226,7 @@ class Tokenizer:
 
         Row ``i`` holds ``encode(texts[i])`` followed by EOS_ID (when ``add_eos``), then PAD_ID
         up to ``max_len``. A row that does not fit is truncated to ``max_len`` ids; with
-        ``add_eos`` its last id is still EOS_ID, so the model always sees an end marker.
+        ``add_eos`` its last id is still EOS_ID (:func:`with_eos`).
 
         Args:
             texts: ``n`` strings.
@@ -244,10 +249,10 @@ class Tokenizer:
         for row, text in enumerate(texts):
             tokens = self._processor.encode(text, out_type=int)
             if add_eos:
-                tokens = tokens + [EOS_ID]
-            if len(tokens) > max_len:
-                num_truncated += 1
-                tokens = tokens[: max_len - 1] + [EOS_ID] if add_eos else tokens[:max_len]
+                tokens, truncated = with_eos(tokens, max_len)
+            else:
+                tokens, truncated = tokens[:max_len], len(tokens) > max_len
+            num_truncated += truncated
             ids[row, : len(tokens)] = tokens
         return ids, num_truncated
 

@@ -22,20 +22,18 @@ import importlib
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data.numbers import _check_fractions
+from flaxformer_lite.data._tfds import SKIPPED_KEY, Log, PairsBuilder, prepare
+from flaxformer_lite.data.common import SPLITS, check_fractions, seeded_split
 
-TSV_SPLITS: tuple[str, ...] = ("train", "validation", "test")
+TSV_SPLITS: tuple[str, ...] = SPLITS
 # TFDS names its files "{dataset}-{split}.array_record-...", so a split must be a single word.
 _WORD = re.compile(r"\w+", re.ASCII)
-_SKIPPED_KEY = "skipped_empty_pairs"
-
-Log = Callable[[str], Any]
 
 
 class CorpusError(ValueError):
@@ -200,27 +198,13 @@ def _check_aligned(source_path: str, target_path: str) -> int:
     return skipped
 
 
-# `skip_registration` keeps the builders out of TFDS's global name registry: they are only
-# constructed directly, and re-importing this module must not raise a name collision.
-class _PairsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Shared TFDS setup of the local builders: text pairs, stored in generation order."""
+class _PairsBuilder(PairsBuilder, skip_registration=True):
+    """The local corpus builders: their ``DatasetInfo`` saves the skipped-pair counts."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Initial release."}
+    STORES_METADATA: ClassVar[bool] = True
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        # `dataset_info_from_configs` reads metadata files next to the builder module, which
-        # only exist for packaged datasets, so the DatasetInfo is built directly.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=f"Sentence pairs from local files ({self.__class__.__name__}).",
-            features=tfds.features.FeaturesDict(
-                {"source": tfds.features.Text(), "target": tfds.features.Text()}
-            ),
-            supervised_keys=("source", "target"),
-            disable_shuffling=True,  # Keep file order instead of TFDS key hashing.
-            metadata=tfds.core.MetadataDict(),  # Saved with the data: the skipped-pair counts.
-        )
+    def _description(self) -> str:
+        return f"Sentence pairs from local files ({self.__class__.__name__})."
 
 
 class ParallelText(_PairsBuilder, skip_registration=True):
@@ -236,7 +220,7 @@ class ParallelText(_PairsBuilder, skip_registration=True):
         # Check every split first: TFDS writes as it consumes the generators, and a corpus error
         # found half-way would waste the work done until then.
         files = self.builder_config.files
-        self.info.metadata[_SKIPPED_KEY] = {s: _check_aligned(*p) for s, p in files.items()}
+        self.info.metadata[SKIPPED_KEY] = {s: _check_aligned(*p) for s, p in files.items()}
         return {split: self._generate_examples(*paths) for split, paths in files.items()}
 
     def _generate_examples(self, source_path: str, target_path: str) -> Iterator[tuple[int, dict]]:
@@ -251,24 +235,17 @@ def split_line_indices(
 ) -> dict[str, np.ndarray]:
     """Assigns the lines ``0 .. num_lines - 1`` of a pairs file to splits, reproducibly.
 
-    The indices are permuted with ``np.random.default_rng(seed).permutation(num_lines)``; the
-    first ``round(valid_fraction * num_lines)`` permuted indices go to "validation", the next
-    ``round(test_fraction * num_lines)`` to "test" and the rest to "train". The split is by
-    line, not by content: a pair repeated on several lines may land in several splits.
+    The lines are assigned by :func:`~.common.seeded_split`. The split is by line, not by
+    content: a pair repeated on several lines may land in several splits.
 
     Returns:
         ``{"train": ..., "validation": ..., "test": ...}`` of sorted ``int64[n_split]`` arrays of
         0-based line indices; they are disjoint and together hold every index once.
     """
-    _check_fractions(valid_fraction, test_fraction)
-    order = np.random.default_rng(seed).permutation(num_lines)
-    num_valid = round(valid_fraction * num_lines)
-    num_test = round(test_fraction * num_lines)
-    return {
-        "train": np.sort(order[num_valid + num_test :]),
-        "validation": np.sort(order[:num_valid]),
-        "test": np.sort(order[num_valid : num_valid + num_test]),
-    }
+    indices = seeded_split(
+        num_lines, seed=seed, valid_fraction=valid_fraction, test_fraction=test_fraction
+    )
+    return {split: np.sort(ids) for split, ids in indices.items()}
 
 
 class PairsTSVConfig(tfds.core.BuilderConfig):
@@ -291,7 +268,7 @@ class PairsTSVConfig(tfds.core.BuilderConfig):
             raise CorpusError(f"Pairs file {path} does not exist; pass the path of a .tsv file")
         if min(source_column, target_column) < 0:
             raise ValueError(f"Columns must be >= 0, got {source_column} and {target_column}")
-        _check_fractions(valid_fraction, test_fraction)
+        check_fractions(valid_fraction, test_fraction)
         super().__init__(
             name=f"{_safe_name(os.path.basename(path))}_c{source_column}-{target_column}_s{seed}"
             f"_v{valid_fraction:g}_t{test_fraction:g}_{_fingerprint([path])}",
@@ -348,7 +325,7 @@ class PairsTSV(_PairsBuilder, skip_registration=True):
             test_fraction=config.test_fraction,
         )
         skipped = {split: int(np.isin(empty, ids).sum()) for split, ids in indices.items()}
-        self.info.metadata[_SKIPPED_KEY] = skipped
+        self.info.metadata[SKIPPED_KEY] = skipped
         # TFDS cannot write a split without examples, so those are filled in by the loader.
         return {
             split: self._generate_examples(ids)
@@ -363,25 +340,6 @@ class PairsTSV(_PairsBuilder, skip_registration=True):
                 source, target = self.builder_config.pair(line, index + 1)
                 if source and target:
                     yield index + 1, {"source": source, "target": target}
-
-
-def _prepare(builder: _PairsBuilder, log: Log) -> dict[str, Sequence[dict[str, bytes]]]:
-    """Prepares ``builder`` unless already prepared and logs its split sizes.
-
-    Returns:
-        ``{split: source}`` for the splits written.
-    """
-    tfds.disable_progress_bar()
-    name = builder.builder_config.name
-    if builder.is_prepared():
-        log(f"Reusing prepared {name} in {builder.data_dir}")
-    else:
-        log(f"Preparing {name} in {builder.data_dir}")
-        builder.download_and_prepare()
-    skipped = dict(builder.info.metadata.items()).get(_SKIPPED_KEY, {})
-    for split, split_info in builder.info.splits.items():
-        log(f"  {split}: {split_info.num_examples} pairs, {skipped.get(split, 0)} skipped (empty)")
-    return builder.as_data_source()
 
 
 def load_parallel_text(
@@ -411,8 +369,7 @@ def load_parallel_text(
         data_dir=corpus_dir, source_lang=source_lang, target_lang=target_lang, splits=splits
     )
     builder = ParallelText(data_dir=os.fspath(tfds_dir), config=config, file_format="array_record")
-    sources = _prepare(builder, log)
-    return {split: sources[split] for split in config.splits}
+    return prepare(builder, config.splits, log)
 
 
 def load_tsv_pairs(
@@ -446,8 +403,7 @@ def load_tsv_pairs(
         test_fraction=test_fraction,
     )
     builder = PairsTSV(data_dir=os.fspath(tfds_dir), config=config, file_format="array_record")
-    sources = _prepare(builder, log)
-    return {split: sources.get(split, ()) for split in TSV_SPLITS}
+    return prepare(builder, TSV_SPLITS, log)
 
 
 class CatalogPairs:

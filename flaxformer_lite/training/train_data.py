@@ -18,8 +18,9 @@ import jax
 import ml_collections
 
 from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.pipeline import make_dataset, texts
+from flaxformer_lite.data.common import texts
 
 
 def prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2) -> Iterator:
@@ -50,23 +51,12 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
     process reads only its own rows.
     """
     t, d = config.train, config.data
-    mode = d.get("batching", "fixed")
-    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    if mode == "fixed":
-        return make_dataset(
-            train_split,
-            tokenizer,
-            batch_size=t.batch_size,
-            max_source_len=d.max_source_len,
-            max_target_len=d.max_target_len,
-            seed=t.seed,
-            shuffle=True,
-            repeat=True,
-            drop_remainder=True,
-            **shard,
+    mode = d.batching
+    if mode not in ("fixed", "bucket", "pack"):
+        raise run_config_lib.ConfigError(
+            f"data.batching={mode!r} is not one of fixed, bucket, pack"
         )
-    from flaxformer_lite.data import batching
-
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     tokenized = batching.tokenize_split(
         train_split, tokenizer, max_source_len=d.max_source_len, max_target_len=d.max_target_len
     )
@@ -75,8 +65,10 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
         f"and {tokenized.num_targets_truncated} targets truncated to "
         f"{d.max_source_len}/{d.max_target_len} tokens"
     )
-    if mode == "bucket":
-        max_tokens = d.get("max_tokens", 0) or None
+    if mode == "fixed":
+        plan = batching.FixedBatches(tokenized, batch_size=t.batch_size, seed=t.seed, **shard)
+    elif mode == "bucket":
+        max_tokens = d.max_tokens or None
         plan = batching.BucketedBatches(
             tokenized,
             batch_size=None if max_tokens else t.batch_size,
@@ -85,7 +77,7 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
             pad_to_multiple=jax.local_device_count(),  # every device gets the same rows
             **shard,
         )
-    elif mode == "pack":
+    else:
         plan = batching.PackedBatches(
             tokenized,
             rows=t.batch_size,
@@ -93,10 +85,6 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
             target_len=d.max_target_len,
             seed=t.seed,
             **shard,
-        )
-    else:
-        raise run_config_lib.ConfigError(
-            f"data.batching={mode!r} is not one of fixed, bucket, pack"
         )
     log(
         f"train batches: {mode}, shapes {sorted(plan.shapes())}, "
@@ -110,9 +98,9 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, tra
     whether they are new)."""
     if tokenizer_lib.Vocabularies.exists(workdir):
         vocab = tokenizer_lib.Vocabularies.load(workdir)
-        if vocab.shared != config.data.get("shared_vocab", True):
+        if vocab.shared != config.data.shared_vocab:
             raise run_config_lib.ConfigError(
-                f"data.shared_vocab={config.data.get('shared_vocab', True)} but workdir {workdir} "
+                f"data.shared_vocab={config.data.shared_vocab} but workdir {workdir} "
                 f"holds {'one shared vocabulary' if vocab.shared else 'separate vocabularies'}; "
                 "use the run's setting or a new --workdir"
             )
@@ -123,8 +111,8 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, tra
         texts(train_split, "target"),
         d.vocab_size,
         d.vocab_model_type,
-        shared=d.get("shared_vocab", True),
-        target_vocab_size=d.get("target_vocab_size", 0) or None,
+        shared=d.shared_vocab,
+        target_vocab_size=d.target_vocab_size or None,
     )
     return vocab, True
 
@@ -132,12 +120,12 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, tra
 def data_identity(config: ml_collections.ConfigDict, train_split) -> dict[str, Any]:
     """What decides the sequence of training batches (batch i is a function of these and i)."""
     t, d = config.train, config.data
-    mode = d.get("batching", "fixed")
+    mode = d.batching
     return {
         "train_examples": len(train_split),
         "batching": mode,
         "batch_size": t.batch_size,
-        "max_tokens": d.get("max_tokens", 0) if mode == "bucket" else 0,
+        "max_tokens": d.max_tokens if mode == "bucket" else 0,
         "max_source_len": d.max_source_len,
         "max_target_len": d.max_target_len,
         "seed": t.seed,
