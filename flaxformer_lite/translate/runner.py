@@ -242,6 +242,16 @@ class DecodeResult:
             self.num_output_tokens += len(self.output_ids[i])
 
 
+def batch_rows(lengths: Sequence[int], batch_size: int) -> int:
+    """Rows of every batch: batch_size, or fewer if fewer lines are non-empty.
+
+    Every batch has the same number of rows, so shapes vary only by bucket.
+    """
+    if batch_size < 1:
+        raise InputError(f"--batch_size must be >= 1, got {batch_size}")
+    return min(batch_size, sum(1 for n in lengths if n)) or 1
+
+
 def progress_bar(total: int, desc: str, progress: bool | None):
     """A tqdm bar on stderr (None: only on a terminal); disabled when there is nothing to do."""
     from tqdm import tqdm
@@ -283,12 +293,8 @@ def decode_lines(
     sources = lines
     if not isinstance(lines, Sources):
         sources = tokenize_lines(tokenizer, lines, max_source_len, strict=strict)
-    if batch_size < 1:
-        raise InputError(f"--batch_size must be >= 1, got {batch_size}")
     lengths = [len(ids) for ids in sources.ids]
-    live = sum(1 for n in lengths if n)
-    # Every batch has the same number of rows, so shapes vary only by bucket.
-    rows = min(batch_size, live) or 1
+    live, rows = sum(1 for n in lengths if n), batch_rows(lengths, batch_size)
     batches = plan_batches(lengths, rows, bucket_lengths(max_source_len))
     result = DecodeResult([[] for _ in lengths], [[] for _ in lengths], sources, set())
     base_rng = jax.random.PRNGKey(seed)

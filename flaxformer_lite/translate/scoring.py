@@ -138,12 +138,10 @@ def score_lines(
     """
     if len(sources.ids) != len(targets.ids):
         raise InputError(f"{len(targets.ids)} targets for {len(sources.ids)} sources")
-    if batch_size < 1:
-        raise InputError(f"--batch_size must be >= 1, got {batch_size}")
     source_lengths = [len(ids) for ids in sources.ids]
     target_lengths = [len(ids) for ids in targets.ids]
     live = sum(1 for n in source_lengths if n)
-    rows = min(batch_size, live) or 1  # a fixed row count: shapes vary only by bucket
+    rows = runner.batch_rows(source_lengths, batch_size)
     batches = plan_pair_batches(
         source_lengths,
         target_lengths,
