@@ -1,10 +1,9 @@
-"""Batched decoding of text files with a trained workdir; the library behind `decode.py`.
+"""Batched decoding of text lines with a trained workdir; the library behind `decode.py`.
 
-The guarantee: exactly one output line per input line, in input order. Input
-bytes are split on "\\n" only (a trailing "\\r" is dropped), invalid UTF-8 is
-replaced, empty lines are passed through as empty outputs without running the
-model, over-long sources are truncated (or refused with `strict`), and
-hypotheses never contain line or field separators.
+The guarantee: exactly one result per input line, in input order. Empty lines
+are passed through as empty outputs without running the model, and over-long
+sources are truncated (or refused with `strict`). Reading and writing the
+lines is `files.py`'s; BLEU, plots and messages are `reports.py`'s.
 
 Bucketing: sources are sorted by length, grouped into batches of a fixed
 number of rows, and each batch is padded to the smallest length of a fixed
@@ -17,10 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from typing import BinaryIO
 
 import numpy as np
 
@@ -29,91 +26,9 @@ from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Token
 from flaxformer_lite.models import predict
 from flaxformer_lite.training import checkpoints
 
-# Every character that some reader treats as a line break, plus the n-best field separator.
-_SEPARATORS = str.maketrans({c: " " for c in "\t\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
-
-
-class InputError(ValueError):
-    """Bad input or flags for decoding; the message says what to change."""
-
-
-# Reading and writing text.
-
-
-def read_lines(source: str | os.PathLike | BinaryIO | None) -> tuple[list[str], int]:
-    """Reads text lines as decoding sees them.
-
-    Args:
-      source: a path, a binary file object, or None / "-" for standard input.
-    Returns:
-      (lines without their "\\n" / "\\r\\n", number of lines with invalid UTF-8,
-      decoded with U+FFFD in place of the bad bytes). A final newline does not
-      make an extra empty line; an empty file gives [].
-    """
-    if source is None or source == "-":
-        data = sys.stdin.buffer.read()
-    elif hasattr(source, "read"):
-        data = source.read()
-    else:
-        with open(source, "rb") as f:
-            data = f.read()
-    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark is not text
-        data = data[3:]
-    if not data:
-        return [], 0
-    raw = data.split(b"\n")
-    if raw[-1] == b"":
-        raw.pop()
-    lines, invalid = [], 0
-    for line in raw:
-        line = line.removesuffix(b"\r")
-        try:
-            lines.append(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            invalid += 1
-            lines.append(line.decode("utf-8", errors="replace"))
-    return lines, invalid
-
-
-def write_lines(path: str | None, lines: Sequence[str]) -> None:
-    """Writes lines as UTF-8, each ending in "\\n", to `path` or (None / "-") standard output.
-
-    A file is written to a temporary sibling that then replaces `path`, so an
-    interrupted run never leaves a partial output file.
-    """
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    if path is None or path == "-":
-        sys.stdout.flush()
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".decode")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def clean(text: str) -> str:
-    """Replaces line breaks and tabs by spaces, so a hypothesis stays on its line and field."""
-    return text.translate(_SEPARATORS)
-
-
-def format_line(hypotheses: Sequence[tuple[str, float]], nbest: int = 1) -> str:
-    """One output line: the best text, or `hyp1\\tscore1\\thyp2\\tscore2...` for nbest > 1."""
-    if not hypotheses:
-        return ""
-    if nbest == 1:
-        return clean(hypotheses[0][0])
-    return "\t".join(f"{clean(text)}\t{score:.4f}" for text, score in hypotheses[:nbest])
-
+# Line I/O and reports moved to files.py and reports.py; still importable from here.
+from flaxformer_lite.translate.files import InputError, format_line, read_lines, write_lines  # noqa: F401
+from flaxformer_lite.translate.reports import bleu_report, check_line_counts  # noqa: F401
 
 # Workdir and search settings.
 
@@ -287,6 +202,14 @@ def plan_batches(
     return batches
 
 
+def pad_rows(ids: Sequence[Sequence[int]], indices: Sequence[int], rows: int, length: int):
+    """int32[rows, length] of the chosen lines' ids, PAD_ID-padded; all-PAD rows fill the rest."""
+    out = np.full((rows, length), PAD_ID, np.int32)
+    for row, i in enumerate(indices):
+        out[row, : len(ids[i])] = ids[i]
+    return out
+
+
 # Decoding.
 
 
@@ -305,6 +228,36 @@ class DecodeResult:
     def texts(self) -> list[str]:
         """The 1-best text per line ("" for empty lines)."""
         return [h[0][0] if h else "" for h in self.hypotheses]
+
+    def collect(self, indices, tokens, scores, target_vocab, nbest: int) -> None:
+        """Stores one batch: tokens int32[rows, n, max_len], scores float32[rows, n]."""
+        tokens, scores = np.asarray(tokens), np.asarray(scores)
+        for row, i in enumerate(indices):
+            kept = range(min(nbest, tokens.shape[1]))
+            self.hypotheses[i] = [
+                (target_vocab.decode(tokens[row, k]), float(scores[row, k])) for k in kept
+            ]
+            ids = [t for t in tokens[row, 0].tolist() if t != PAD_ID]  # as Tokenizer.decode
+            self.output_ids[i] = ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
+            self.num_output_tokens += len(self.output_ids[i])
+
+
+def batch_rows(lengths: Sequence[int], batch_size: int) -> int:
+    """Rows of every batch: batch_size, or fewer if fewer lines are non-empty.
+
+    Every batch has the same number of rows, so shapes vary only by bucket.
+    """
+    if batch_size < 1:
+        raise InputError(f"--batch_size must be >= 1, got {batch_size}")
+    return min(batch_size, sum(1 for n in lengths if n)) or 1
+
+
+def progress_bar(total: int, desc: str, progress: bool | None):
+    """A tqdm bar on stderr (None: only on a terminal); disabled when there is nothing to do."""
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() if progress is None else progress
+    return tqdm(total=total, unit="sent", desc=desc, disable=not (show and total))
 
 
 def decode_lines(
@@ -334,45 +287,29 @@ def decode_lines(
       InputError: `strict` and a line longer than the model's source length.
     """
     import jax
-    from tqdm import tqdm
 
     target_vocab = Vocabularies.of(tokenizer).target
     max_source_len = run_config["data"]["max_source_len"]
     sources = lines
     if not isinstance(lines, Sources):
         sources = tokenize_lines(tokenizer, lines, max_source_len, strict=strict)
-    if batch_size < 1:
-        raise InputError(f"--batch_size must be >= 1, got {batch_size}")
     lengths = [len(ids) for ids in sources.ids]
-    live = sum(1 for n in lengths if n)
-    # Every batch has the same number of rows, so shapes vary only by bucket.
-    rows = min(batch_size, live) or 1
+    live, rows = sum(1 for n in lengths if n), batch_rows(lengths, batch_size)
     batches = plan_batches(lengths, rows, bucket_lengths(max_source_len))
     result = DecodeResult([[] for _ in lengths], [[] for _ in lengths], sources, set())
     base_rng = jax.random.PRNGKey(seed)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=live, unit="sent", desc="decode", disable=not (show and live))
+    bar = progress_bar(live, "decode", progress)
     start = time.perf_counter()
 
     def collect(indices, tokens, scores):
-        tokens, scores = np.asarray(tokens), np.asarray(scores)  # [rows, n, max_len], [rows, n]
-        for row, i in enumerate(indices):
-            kept = range(min(nbest, tokens.shape[1]))
-            result.hypotheses[i] = [
-                (target_vocab.decode(tokens[row, k]), float(scores[row, k])) for k in kept
-            ]
-            ids = [t for t in tokens[row, 0].tolist() if t != PAD_ID]  # as Tokenizer.decode
-            result.output_ids[i] = ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
-            result.num_output_tokens += len(result.output_ids[i])
+        result.collect(indices, tokens, scores, target_vocab, nbest)
         bar.update(len(indices))
         elapsed = max(time.perf_counter() - start, 1e-9)
         bar.set_postfix_str(f"{result.num_output_tokens / elapsed:.0f} tok/s")
 
     pending = None
     for b, (indices, length) in enumerate(batches):
-        inputs = np.full((rows, length), PAD_ID, np.int32)  # all-PAD rows fill the last batch
-        for row, i in enumerate(indices):
-            inputs[row, : lengths[i]] = sources.ids[i]
+        inputs = pad_rows(sources.ids, indices, rows, length)
         result.batch_shapes.add(inputs.shape)
         rng = jax.random.fold_in(base_rng, b) if search.method == "sample" else None
         out = predict.decode(
@@ -387,111 +324,3 @@ def decode_lines(
     bar.close()
     result.seconds = time.perf_counter() - start
     return result
-
-
-# Reports: BLEU / chrF, attention plots, messages.
-
-
-def check_line_counts(num_inputs: int, num_references: int) -> None:
-    """Raises InputError unless there is one reference line per input line."""
-    if num_inputs != num_references:
-        raise InputError(
-            f"--reference has {num_references} lines but the input has {num_inputs}; "
-            "pass one reference line per input line"
-        )
-
-
-def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> str:
-    """sacreBLEU corpus BLEU and chrF, each with its signature, on two lines.
-
-    Raises:
-      InputError: the counts of hypotheses and references differ.
-    """
-    from sacrebleu.metrics import BLEU, CHRF
-
-    check_line_counts(len(hypotheses), len(references))
-    report = []
-    for metric in (BLEU(), CHRF()):
-        score = metric.corpus_score(list(hypotheses), [list(references)])
-        report.append(score.format(signature=str(metric.get_signature())))
-    return "\n".join(report)
-
-
-def check_attention_layer(layer: int, num_layers: int) -> None:
-    """Raises InputError unless `layer` indexes one of `num_layers` decoder layers."""
-    if not -num_layers <= layer < num_layers:
-        raise InputError(f"--attention_layer {layer} is out of range for {num_layers} layer(s)")
-
-
-def save_attention_pngs(
-    model,
-    params,
-    tokenizer: Tokenizer | Vocabularies,
-    source_ids: Sequence[Sequence[int]],
-    output_ids: Sequence[Sequence[int]],
-    out_dir: str,
-    *,
-    layer: int = -1,
-    count: int = 4,
-) -> list[str]:
-    """Plots the cross-attention of the first `count` non-empty inputs, one PNG each.
-
-    Args:
-      source_ids: per input line, source ids ending in EOS ([] = empty line, skipped).
-      output_ids: per input line, the generated ids (EOS included).
-      layer: decoder layer (negative counts from the last).
-    Returns:
-      Paths written: `out_dir/attention_<line index, 0-based, 4 digits>.png`,
-      one panel per head, x = source pieces, y = output pieces.
-    """
-    import jax
-    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-
-    from flaxformer_lite.models.transformer import Transformer
-
-    num_layers = model.config.num_decoder_layers
-    check_attention_layer(layer, num_layers)
-    chosen = [i for i, (s, o) in enumerate(zip(source_ids, output_ids)) if s and o][:count]
-    if not chosen:
-        return []
-    os.makedirs(out_dir, exist_ok=True)
-    src_len = max(len(source_ids[i]) for i in chosen)
-    tgt_len = max(len(output_ids[i]) for i in chosen)
-    inputs = np.full((len(chosen), src_len), PAD_ID, np.int32)  # [B, S]
-    # Row t of the decoder input is BOS + output[:t]: the query that produced output[t].
-    decoder_inputs = np.full((len(chosen), tgt_len), PAD_ID, np.int32)  # [B, T]
-    for row, i in enumerate(chosen):
-        inputs[row, : len(source_ids[i])] = source_ids[i]
-        decoder_inputs[row, : len(output_ids[i])] = [BOS_ID, *output_ids[i][:-1]]
-
-    def weights_fn(params, inputs, decoder_inputs):
-        variables, decode = {"params": params}, Transformer.decode
-        encoded = model.apply(variables, inputs, method=Transformer.encode)  # [B, S, D]
-        _, weights = model.apply(
-            variables, encoded, inputs, decoder_inputs, return_weights=True, method=decode
-        )
-        return weights[layer]  # float32[B, N, T, S]
-
-    weights = np.asarray(jax.jit(weights_fn)(params, inputs, decoder_inputs))
-    vocab = Vocabularies.of(tokenizer)
-    paths = []
-    for row, i in enumerate(chosen):
-        src = [vocab.source.id_to_piece(t) for t in source_ids[i]]
-        out = [vocab.target.id_to_piece(t) for t in output_ids[i]]
-        heads = weights.shape[1]
-        # Capped so that long sentences still give a figure within matplotlib's pixel limits.
-        width = heads * (1.0 + min(0.3 * len(src), 12.0))
-        fig = Figure(figsize=(width, 1.5 + min(0.3 * len(out), 30.0)))
-        axes = fig.subplots(1, heads, squeeze=False)[0]
-        for h, ax in enumerate(axes):
-            ax.imshow(weights[row, h, : len(out), : len(src)], cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_xticks(range(len(src)), src, rotation=90, fontsize=8)
-            ax.set_yticks(range(len(out)), out if h == 0 else [], fontsize=8)
-            ax.set_title(f"head {h}", fontsize=9)
-        layer_name = layer % num_layers
-        fig.suptitle(f"line {i}: decoder layer {layer_name} cross-attention", fontsize=9)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"attention_{i:04d}.png")
-        fig.savefig(path, format="png", dpi=100)
-        paths.append(path)
-    return paths

@@ -1,0 +1,155 @@
+"""What `decode.py` does with its flag values: decode, or with `score` force-decode, a file."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from flaxformer_lite.translate import files, reports, runner
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The flag values of decode.py (see its flag help for each)."""
+
+    workdir: str
+    step: int | None = None
+    average: int = 1
+    input: str | None = None
+    output: str | None = None
+    beam_size: int = 4
+    alpha: float = 0.6
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_len: int | None = None
+    min_len: int = 0
+    nbest: int = 1
+    seed: int = 0
+    batch_size: int = 32
+    strict: bool = False
+    reference: str | None = None
+    attention_png: str | None = None
+    attention_count: int = 4
+    attention_layer: int = -1
+    score: bool = False
+    score_tokens: bool = False
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_model(run_config: dict):
+    """The model a workdir's run config describes (no parameters)."""
+    import ml_collections
+
+    from flaxformer_lite import run_config as run_config_lib
+    from flaxformer_lite.models.transformer import Transformer
+
+    return Transformer(run_config_lib.model_config(ml_collections.ConfigDict(run_config)))
+
+
+def _check_options(o: Options) -> None:
+    files.check_paths((("input", o.input), ("reference", o.reference)), o.output)
+    if o.score and not o.reference:
+        raise files.InputError("--score needs --reference: the target lines to score")
+    if o.score_tokens and not o.score:
+        raise files.InputError("--score_tokens applies to --score only")
+    if o.score and o.attention_png:
+        raise files.InputError("--attention_png plots decoding: drop it or --score")
+
+
+def run(o: Options) -> None:
+    """Decodes (or scores) `o.input` into `o.output`, reporting on stderr.
+
+    Raises:
+      InputError, WorkdirError, FileNotFoundError, CheckpointIntegrityError:
+        with a message that says what to change.
+    """
+    from flaxformer_lite.training import restore
+
+    _check_options(o)
+    run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
+    search = None
+    if not o.score:
+        search = runner.make_search(
+            run_config,
+            **{k: getattr(o, k) for k in ("beam_size", "alpha", "temperature", "top_k")},
+            **{k: getattr(o, k) for k in ("top_p", "max_len", "min_len", "nbest")},
+        )
+    if o.attention_png:
+        num_layers = run_config["model"]["num_decoder_layers"]
+        reports.check_attention_layer(o.attention_layer, num_layers)
+    lines, num_invalid = files.read_lines(o.input)
+    references = None
+    if o.reference:
+        references, num_invalid_ref = files.read_lines(o.reference)
+        reports.check_line_counts(len(lines), len(references))
+        num_invalid += num_invalid_ref if o.score else 0
+    if not lines:
+        files.write_lines(o.output, [])
+        log("input is empty: nothing to decode")
+        return
+    max_source_len = run_config["data"]["max_source_len"]
+    sources = runner.tokenize_lines(tokenizer, lines, max_source_len, strict=o.strict)
+    for warning in reports.input_warnings(num_invalid, sources, max_source_len):
+        log(warning)
+    params, _ = restore.restore_params(o.workdir, o.step, average=o.average)
+    model = build_model(run_config)
+    if o.score:
+        _score(o, model, params, tokenizer, run_config, sources, references)
+    else:
+        _decode(o, model, params, tokenizer, run_config, sources, search, references)
+
+
+def _decode(o, model, params, tokenizer, run_config, sources, search, references) -> None:
+    result = runner.decode_lines(
+        model,
+        params,
+        tokenizer,
+        run_config,
+        sources,
+        search=search,
+        batch_size=o.batch_size,
+        nbest=o.nbest,
+        seed=o.seed,
+        progress=None,  # a bar only on a terminal
+    )
+    files.write_lines(o.output, [files.format_line(h, o.nbest) for h in result.hypotheses])
+    log(reports.summary(result))
+    if references is not None:
+        log(reports.bleu_report(result.texts, references))
+    if o.attention_png and o.attention_count:
+        paths = reports.save_attention_pngs(
+            model,
+            params,
+            tokenizer,
+            sources.ids,
+            result.output_ids,
+            o.attention_png,
+            layer=o.attention_layer,
+            count=o.attention_count,
+        )
+        log(f"wrote {len(paths)} attention plot(s) to {o.attention_png}")
+
+
+def _score(o, model, params, tokenizer, run_config, sources, references) -> None:
+    from flaxformer_lite.translate import scoring
+
+    max_target_len = run_config["data"]["max_target_len"]
+    targets = scoring.tokenize_targets(tokenizer, references, max_target_len, strict=o.strict)
+    if targets.num_truncated:
+        log(
+            f"warning: {targets.num_truncated} reference line(s) longer than {max_target_len} "
+            "target tokens were truncated (--strict refuses them)"
+        )
+    result = scoring.score_lines(
+        model, params, run_config, sources, targets, batch_size=o.batch_size, progress=None
+    )
+    files.write_lines(o.output, scoring.format_scores(result, tokens=o.score_tokens))
+    log(scoring.summary(result))

@@ -1,0 +1,162 @@
+"""What decoding reports besides its output: BLEU / chrF, attention plots, warnings, speed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from flaxformer_lite.data.tokenizer import BOS_ID, PAD_ID, Tokenizer, Vocabularies
+from flaxformer_lite.translate.files import InputError
+
+
+def check_line_counts(num_inputs: int, num_references: int) -> None:
+    """Raises InputError unless there is one reference line per input line."""
+    if num_inputs != num_references:
+        raise InputError(
+            f"--reference has {num_references} lines but the input has {num_inputs}; "
+            "pass one reference line per input line"
+        )
+
+
+def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> str:
+    """sacreBLEU corpus BLEU and chrF, each with its signature, on two lines.
+
+    Raises:
+      InputError: the counts of hypotheses and references differ.
+    """
+    from sacrebleu.metrics import BLEU, CHRF
+
+    check_line_counts(len(hypotheses), len(references))
+    report = []
+    for metric in (BLEU(), CHRF()):
+        score = metric.corpus_score(list(hypotheses), [list(references)])
+        report.append(score.format(signature=str(metric.get_signature())))
+    return "\n".join(report)
+
+
+def input_warnings(num_invalid_utf8: int, sources, max_source_len: int) -> list[str]:
+    """One line per kind of bad input, with its count of lines.
+
+    `sources`: a `runner.Sources` (its num_truncated and num_unknown counts).
+    """
+    out = []
+    if num_invalid_utf8:
+        out.append(f"warning: {num_invalid_utf8} line(s) had invalid UTF-8, replaced by U+FFFD")
+    if sources.num_truncated:
+        out.append(
+            f"warning: {sources.num_truncated} line(s) longer than {max_source_len} source "
+            "tokens were truncated (--strict refuses them)"
+        )
+    if sources.num_unknown:
+        out.append(
+            f"warning: {sources.num_unknown} line(s) contain characters unknown to the "
+            "vocabulary (decoded as <unk>)"
+        )
+    return out
+
+
+def summary(result) -> str:
+    """Lines decoded, speed, and the number of batch shapes (compilations) of a DecodeResult."""
+    lines, empty = len(result.hypotheses), result.sources.num_empty
+    seconds = max(result.seconds, 1e-9)
+    return (
+        f"decoded {lines - empty} of {lines} line(s) ({empty} empty) in {result.seconds:.1f}s: "
+        f"{(lines - empty) / seconds:.1f} sentences/s, "
+        f"{result.num_output_tokens / seconds:.0f} tokens/s, "
+        f"{len(result.batch_shapes)} batch shape(s)"
+    )
+
+
+def check_attention_layer(layer: int, num_layers: int) -> None:
+    """Raises InputError unless `layer` indexes one of `num_layers` decoder layers."""
+    if not -num_layers <= layer < num_layers:
+        raise InputError(f"--attention_layer {layer} is out of range for {num_layers} layer(s)")
+
+
+def _cross_attention(model, params, source_ids, output_ids, layer: int) -> np.ndarray:
+    """Teacher-forced cross-attention of one decoder layer: float32[B, N, T, S]."""
+    import jax
+
+    from flaxformer_lite.models.transformer import Transformer
+
+    src_len = max(len(s) for s in source_ids)
+    tgt_len = max(len(o) for o in output_ids)
+    inputs = np.full((len(source_ids), src_len), PAD_ID, np.int32)  # [B, S]
+    # Row t of the decoder input is BOS + output[:t]: the query that produced output[t].
+    decoder_inputs = np.full((len(source_ids), tgt_len), PAD_ID, np.int32)  # [B, T]
+    for row, (src, out) in enumerate(zip(source_ids, output_ids)):
+        inputs[row, : len(src)] = src
+        decoder_inputs[row, : len(out)] = [BOS_ID, *out[:-1]]
+
+    def weights_fn(params, inputs, decoder_inputs):
+        variables, decode = {"params": params}, Transformer.decode
+        encoded = model.apply(variables, inputs, method=Transformer.encode)  # [B, S, D]
+        _, weights = model.apply(
+            variables, encoded, inputs, decoder_inputs, return_weights=True, method=decode
+        )
+        return weights[layer]  # float32[B, N, T, S]
+
+    return np.asarray(jax.jit(weights_fn)(params, inputs, decoder_inputs))
+
+
+def _plot(weights: np.ndarray, src: list[str], out: list[str], title: str, path: str) -> None:
+    """One PNG of float32[N, >= len(out), >= len(src)] weights, one panel per head."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    heads = weights.shape[0]
+    # Capped so that long sentences still give a figure within matplotlib's pixel limits.
+    width = heads * (1.0 + min(0.3 * len(src), 12.0))
+    fig = Figure(figsize=(width, 1.5 + min(0.3 * len(out), 30.0)))
+    axes = fig.subplots(1, heads, squeeze=False)[0]
+    for h, ax in enumerate(axes):
+        ax.imshow(weights[h, : len(out), : len(src)], cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_xticks(range(len(src)), src, rotation=90, fontsize=8)
+        ax.set_yticks(range(len(out)), out if h == 0 else [], fontsize=8)
+        ax.set_title(f"head {h}", fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+
+
+def save_attention_pngs(
+    model,
+    params,
+    tokenizer: Tokenizer | Vocabularies,
+    source_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    out_dir: str,
+    *,
+    layer: int = -1,
+    count: int = 4,
+) -> list[str]:
+    """Plots the cross-attention of the first `count` non-empty inputs, one PNG each.
+
+    Args:
+      source_ids: per input line, source ids ending in EOS ([] = empty line, skipped).
+      output_ids: per input line, the generated ids (EOS included).
+      layer: decoder layer (negative counts from the last).
+    Returns:
+      Paths written: `out_dir/attention_<line index, 0-based, 4 digits>.png`,
+      one panel per head, x = source pieces, y = output pieces.
+    """
+    num_layers = model.config.num_decoder_layers
+    check_attention_layer(layer, num_layers)
+    chosen = [i for i, (s, o) in enumerate(zip(source_ids, output_ids)) if s and o][:count]
+    if not chosen:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    weights = _cross_attention(
+        model, params, [source_ids[i] for i in chosen], [output_ids[i] for i in chosen], layer
+    )
+    vocab = Vocabularies.of(tokenizer)
+    paths = []
+    for row, i in enumerate(chosen):
+        src = [vocab.source.id_to_piece(t) for t in source_ids[i]]
+        out = [vocab.target.id_to_piece(t) for t in output_ids[i]]
+        title = f"line {i}: decoder layer {layer % num_layers} cross-attention"
+        path = os.path.join(out_dir, f"attention_{i:04d}.png")
+        _plot(weights[row], src, out, title, path)
+        paths.append(path)
+    return paths
