@@ -256,7 +256,8 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
 
     from flaxformer_lite.config import TransformerConfig
     from flaxformer_lite.data.tokenizer import BOS_ID
-    from flaxformer_lite.models.transformer import Transformer, shift_right
+    from flaxformer_lite.models.autoregressive import shift_right
+    from flaxformer_lite.models.transformer import Transformer
 
     jax.config.update("jax_default_matmul_precision", "highest")
     batch = batching.PackedBatches(tokenized, rows=2, source_len=64, target_len=64, seed=0)[0]

@@ -17,7 +17,8 @@ from conftest import ROOT
 
 import flaxformer_lite
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.models.transformer import Transformer, shift_right
+from flaxformer_lite.models.autoregressive import shift_right
+from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.tools import benchmark
 

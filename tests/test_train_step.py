@@ -8,9 +8,10 @@ import numpy as np
 import optax
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.parallel import partitioning
-from flaxformer_lite.training import loop
+from flaxformer_lite.training.state import create_state
+from flaxformer_lite.training.step import train_step
 
 CFG = TransformerConfig(
     vocab_size=50,
@@ -45,8 +46,13 @@ def _state(name):
     """One initial state per optimiser: parameters are float32 whatever the compute dtype."""
     if name not in _STATES:
         tx = {"sgd": SGD, "adam": ADAM}[name]
-        _STATES[name], _ = loop.create_state(
-            Transformer(CFG), tx, partitioning.make_mesh(1), seed=0, source_len=9, target_len=7
+        _STATES[name], _ = create_state(
+            AutoregressiveModel(CFG),
+            tx,
+            partitioning.make_mesh(1),
+            seed=0,
+            source_len=9,
+            target_len=7,
         )
     return _STATES[name]
 
@@ -54,11 +60,9 @@ def _state(name):
 def _step(cfg, tx, accum):
     return jax.jit(
         functools.partial(
-            loop.train_step,
-            model=Transformer(cfg),
+            train_step,
+            model=AutoregressiveModel(cfg, label_smoothing=0.1),
             tx=tx,
-            label_smoothing=0.1,
-            bos_id=2,
             grad_accum_steps=accum,
         )
     )

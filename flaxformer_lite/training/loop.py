@@ -10,7 +10,6 @@ model protocol (`models/base.py`).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -23,14 +22,15 @@ import ml_collections
 from tqdm import tqdm
 
 from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.pipeline import make_dataset, texts
+from flaxformer_lite.data.common import texts
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
-from flaxformer_lite.training import checkpoints, optim, train_data
+from flaxformer_lite.training import checkpoints, optim, restore, train_data
 from flaxformer_lite.training import evaluate as evaluate_lib
 from flaxformer_lite.training import step as step_lib
 from flaxformer_lite.training.metric_writer import MetricWriter
@@ -74,14 +74,15 @@ def search_from_config(config: ml_collections.ConfigDict) -> predict.SearchConfi
 
 
 def restore_trained(workdir: str, step: int | None = None, average: int = 1):
-    """Loads a training workdir: (model, state, vocabularies, run config dict).
+    """Loads a training workdir whole: (model, train state, vocabularies, run config dict).
+
+    For resuming and for tests that compare states; decoding reads parameters
+    only (`restore.restore_params`).
 
     Args:
       step: the checkpoint to load (default: the latest).
       average: > 1: the state of `step` with its parameters replaced by the
-        mean parameters of the last `average` checkpoints up to `step`
-        (checkpoint averaging, as fairseq's average_checkpoints.py; it
-        usually adds a little BLEU at no training cost).
+        mean parameters of the last `average` checkpoints up to `step`.
     Raises:
       WorkdirError: not a training workdir.
       FileNotFoundError: it has no (complete) checkpoint, or fewer than `average`.
@@ -104,29 +105,12 @@ def restore_trained(workdir: str, step: int | None = None, average: int = 1):
     ckpt = checkpoints.Checkpointer(workdir, keep=1 << 30, save_every=0)
     try:
         state, _ = ckpt.restore(target, step)
-        if average > 1:
-            state = state.replace(params=_average_params(ckpt, target, state, average))
     finally:
         ckpt.close()
+    if average > 1:
+        params, _ = restore.restore_params(workdir, int(state.step), average)
+        state = state.replace(params=params)
     return model, state, tokenizer, saved
-
-
-def _average_params(ckpt: checkpoints.Checkpointer, target, last, count: int):
-    """Mean parameters of the last `count` checkpoints up to the restored state `last`
-    (float32 sums); `last` itself is not read again."""
-    step = int(last.step)
-    steps = [s for s in ckpt.all_steps() if s <= step][-count:]
-    if len(steps) < count:
-        raise FileNotFoundError(
-            f"averaging {count} checkpoints needs {count} up to step {step}, but "
-            f"{ckpt.directory} has {len(steps)}: {', '.join(map(str, steps))}"
-        )
-    earlier = (ckpt.restore(target, s)[0].params for s in steps[:-1])  # steps[-1] is `last`
-    total = None
-    for params in itertools.chain(earlier, [last.params]):  # in step order, one at a time
-        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-        total = params if total is None else jax.tree.map(jnp.add, total, params)
-    return jax.tree.map(lambda t, x: (t / count).astype(x.dtype), total, last.params)
 
 
 def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
@@ -204,16 +188,12 @@ def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
     """Ordered, padded batches of the held-out splits, and their reference strings."""
     d, t = config.data, config.train
     sets = {
-        name: make_dataset(
+        name: batching.eval_batches(
             splits[name],
             tokenizer,
             batch_size=t.eval_batch_size,
             max_source_len=d.max_source_len,
             max_target_len=d.max_target_len,
-            seed=0,
-            shuffle=False,
-            repeat=False,
-            drop_remainder=False,
         )
         for name in ("validation", "test")
         if name in splits

@@ -49,9 +49,9 @@ def build_model(run_config: dict):
     import ml_collections
 
     from flaxformer_lite import run_config as run_config_lib
-    from flaxformer_lite.models.transformer import Transformer
+    from flaxformer_lite.models.autoregressive import AutoregressiveModel
 
-    return Transformer(run_config_lib.model_config(ml_collections.ConfigDict(run_config)))
+    return AutoregressiveModel(run_config_lib.model_config(ml_collections.ConfigDict(run_config)))
 
 
 def _check_options(o: Options) -> None:

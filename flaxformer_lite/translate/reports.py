@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flaxformer_lite.data.tokenizer import BOS_ID, PAD_ID, Tokenizer, Vocabularies
+from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
 from flaxformer_lite.translate.files import InputError
 
 
@@ -79,26 +79,23 @@ def _cross_attention(model, params, source_ids, output_ids, layer: int) -> np.nd
     """Teacher-forced cross-attention of one decoder layer: float32[B, N, T, S]."""
     import jax
 
-    from flaxformer_lite.models.transformer import Transformer
-
     src_len = max(len(s) for s in source_ids)
     tgt_len = max(len(o) for o in output_ids)
     inputs = np.full((len(source_ids), src_len), PAD_ID, np.int32)  # [B, S]
-    # Row t of the decoder input is BOS + output[:t]: the query that produced output[t].
-    decoder_inputs = np.full((len(source_ids), tgt_len), PAD_ID, np.int32)  # [B, T]
-    for row, (src, out) in enumerate(zip(source_ids, output_ids)):
+    for row, src in enumerate(source_ids):
         inputs[row, : len(src)] = src
-        decoder_inputs[row, : len(out)] = [BOS_ID, *out[:-1]]
 
-    def weights_fn(params, inputs, decoder_inputs):
-        variables, decode = {"params": params}, Transformer.decode
-        encoded = model.apply(variables, inputs, method=Transformer.encode)  # [B, S, D]
-        _, weights = model.apply(
-            variables, encoded, inputs, decoder_inputs, return_weights=True, method=decode
-        )
-        return weights[layer]  # float32[B, N, T, S]
+    name = f"decoder/cross/{layer}"
+    # Row t of the targets is output[t]: the model's teacher-forced input is BOS + output[:t].
+    targets = np.full((len(source_ids), tgt_len), PAD_ID, np.int32)  # [B, T]
+    for row, out in enumerate(output_ids):
+        targets[row, : len(out)] = out
 
-    return np.asarray(jax.jit(weights_fn)(params, inputs, decoder_inputs))
+    def weights_fn(params, inputs, targets):
+        batch = {"inputs": inputs, "targets": targets}
+        return model.attention_weights(params, batch, (name,))[name]  # float32[B, N, T, S]
+
+    return np.asarray(jax.jit(weights_fn)(params, inputs, targets))
 
 
 def _plot(weights: np.ndarray, src: list[str], out: list[str], title: str, path: str) -> None:

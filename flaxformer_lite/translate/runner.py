@@ -14,15 +14,17 @@ search at most `len(bucket_lengths(max_source_len))` times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies
+from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.models import predict
 from flaxformer_lite.training import checkpoints
 
@@ -166,11 +168,10 @@ def tokenize_lines(
             out.ids.append([])
             out.num_empty += 1
             continue
-        ids.append(EOS_ID)
         out.num_unknown += UNK_ID in ids
-        if len(ids) > max_source_len:
+        ids, truncated = with_eos(ids, max_source_len)
+        if truncated:
             too_long.append(number)
-            ids = ids[: max_source_len - 1] + [EOS_ID]
         out.ids.append(ids)
     out.num_truncated = len(too_long)
     if strict and too_long:
@@ -260,6 +261,12 @@ def progress_bar(total: int, desc: str, progress: bool | None):
     return tqdm(total=total, unit="sent", desc=desc, disable=not (show and total))
 
 
+@functools.partial(jax.jit, static_argnames=("model", "search"))
+def _predict(model, params, inputs, search, rng):
+    """`model.predict` of one padded batch: (tokens int32[B, n, L], scores float32[B, n])."""
+    return model.predict(params, {"inputs": inputs}, search, rng)
+
+
 def decode_lines(
     model,
     params,
@@ -286,7 +293,6 @@ def decode_lines(
     Raises:
       InputError: `strict` and a line longer than the model's source length.
     """
-    import jax
 
     target_vocab = Vocabularies.of(tokenizer).target
     max_source_len = run_config["data"]["max_source_len"]
@@ -312,9 +318,7 @@ def decode_lines(
         inputs = pad_rows(sources.ids, indices, rows, length)
         result.batch_shapes.add(inputs.shape)
         rng = jax.random.fold_in(base_rng, b) if search.method == "sample" else None
-        out = predict.decode(
-            model, params, inputs, search=search, bos_id=BOS_ID, eos_id=EOS_ID, rng=rng
-        )
+        out = _predict(model, params, inputs, search, rng)
         # Dispatch is asynchronous: detokenize the previous batch while this one runs.
         if pending is not None:
             collect(*pending)
