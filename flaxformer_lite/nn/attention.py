@@ -111,8 +111,8 @@ class MultiHeadAttention(nn.Module):
     reuses the result at every step. The stacked kernel is applied as ONE
     [M, D] x [D, N*3*H] matmul (`layers.project`) after moving the heads axis
     in front of the stacking axis ([D, N, 3, H]; a 3 MB copy of the weights):
-    one wide matmul runs faster on CPU than three [D, N*H] ones (2% per base
-    model train step on 2 cores), and with the heads outermost in the merged
+    one wide matmul runs faster on CPU than three [D, N*H] ones (PERF.md),
+    and with the heads outermost in the merged
     axis a heads sharding over the mesh's model axis carries through the
     reshape, so tensor parallelism gathers no kernel.
     """
