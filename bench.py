@@ -186,6 +186,7 @@ def main(argv):
 
     from flaxformer_lite.tools import benchmark
 
+    cli.report_platform()
     config = _config()
     to_stdout = FLAGS.json == "/dev/stdout"
     log = (lambda s: print(s, file=sys.stderr)) if to_stdout else print

@@ -54,12 +54,15 @@ def main(argv):
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax and TFDS are chatty at INFO/WARNING
+    from flaxformer_lite import run_config
     from flaxformer_lite.parallel import partitioning
     from flaxformer_lite.tools import dry_run
 
     if FLAGS.dry_run:
         dry_run.print_parameter_table(FLAGS.config)
         return
+    # A bad value fails here, in one line, before waiting for other hosts or reading data.
+    run_config.validate(FLAGS.config)
     try:
         # Before anything touches devices: the processes must first find each other.
         partitioning.initialize_distributed(
@@ -70,6 +73,9 @@ def main(argv):
     import jax
 
     from flaxformer_lite.training import loop
+
+    if jax.process_index() == 0:
+        cli.report_platform()
 
     try:
         results = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)

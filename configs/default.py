@@ -15,38 +15,52 @@ def get_config() -> ml_collections.ConfigDict:
     m.target_vocab_size = None  # None: one vocabulary for source and target
     m.share_embeddings = True  # tie encoder, decoder and softmax embeddings (§3.4)
     m.tie_output_embedding = True  # decoder embedding doubles as softmax weights
-    m.d_model = 128  # model width
+    m.d_model = 128  # a quarter of the paper's base: the task has a 60-piece vocabulary
     m.num_heads = 4  # attention heads h
     m.d_kv = None  # per-head size; None: d_model // num_heads
     m.d_ff = 512  # feed-forward hidden size
-    m.num_encoder_layers = 3  # encoder depth N
-    m.num_decoder_layers = 3  # decoder depth N
+    m.num_encoder_layers = 3  # N = 3 of the paper's 6: enough to reorder German units/tens
+    m.num_decoder_layers = 3
     m.dropout_rate = 0.1  # P_drop on sub-layer outputs and embedding sums
     m.attention_dropout_rate = 0.0  # dropout on attention weights
     m.dropout_rng = "hash"  # mask bits: hash (fused into the layer, fast) | threefry (jax.random)
-    m.max_len = 64  # table size for learned positions
+    m.max_len = 64  # rows of the learned-position table (unused by sinusoids)
     m.positions = "sinusoidal"  # sinusoidal | learned | none
     m.norm = "post"  # post (paper) | pre
     m.activation = "relu"  # relu | gelu
     m.attention_impl = "vmap"  # vmap (per-head core) | fast (jax.nn.dot_product_attention)
-    m.layer_norm_epsilon = 1e-6  # LayerNorm epsilon
-    m.dtype = "float32"  # compute dtype
-    m.param_dtype = "float32"  # parameter dtype
+    m.layer_norm_epsilon = 1e-6  # added to the variance; 1e-6 as in tensor2tensor
+    m.dtype = "float32"  # matmul dtype ("bfloat16" on TPU/GPU); softmax and loss stay float32
+    m.param_dtype = "float32"  # storage of parameters and optimiser state
     m.scan_layers = False  # one lax.scan over layers (faster compiles for deep models)
     m.remat = False  # with scan_layers: recompute activations in the backward pass
 
     config.data = d = ml_collections.ConfigDict()
     d.dataset = "number_words"  # the generated task (see flaxformer_lite/data/numbers.py)
     d.tfds_dir = ""  # where TFDS prepares data; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    # number_words: which numbers in which languages.
     d.languages = ("en", "de", "fr")  # num2words language codes
     d.max_number = 9999  # numbers 0..max_number in every language
-    d.seed = 0  # seed of the train/validation/test assignment
-    d.valid_fraction = 0.05  # share of (language, number) pairs held out for validation
+    # number_words and tsv: the seeded train/validation/test assignment.
+    d.seed = 0  # seed of the assignment (not of training: that is train.seed)
+    d.valid_fraction = 0.05  # share of pairs held out for validation
     d.test_fraction = 0.05  # share held out for the final test
+    # parallel_text: {split}.{lang} files (optionally .gz), one sentence a line.
+    d.corpus_dir = ""  # a relative path is read from the working directory
+    # parallel_text and TFDS catalog datasets: which side is which.
+    d.source_lang = ""  # file suffix or catalog feature of the source, e.g. "en"
+    d.target_lang = ""  # the same for the target, e.g. "de"
+    # parallel_text, tsv and catalog: the corpus's names for our splits, e.g. {"validation":
+    # "val"}; a split not named here is looked up under its own name.
+    d.split_names = {}
+    # tsv: a file of tab-separated pairs (e.g. Tatoeba's fra.txt), split by the seed above.
+    d.tsv_path = ""
+    d.source_column = 0  # 0-based column of the source sentence
+    d.target_column = 1  # 0-based column of the target sentence
     d.vocab_size = 256  # SentencePiece vocabulary size (the shared, or the source, one)
     d.shared_vocab = True  # one vocabulary for both sides; False: one per side
     d.target_vocab_size = 0  # target vocabulary size when not shared (0: data.vocab_size)
-    d.vocab_model_type = "unigram"  # unigram | bpe
+    d.vocab_model_type = "unigram"  # SentencePiece model: unigram | bpe | char | word
     d.max_source_len = 10  # source tokens incl. EOS (longer are truncated)
     d.max_target_len = 16  # target tokens incl. EOS
     d.batching = "fixed"  # fixed (max shapes) | bucket (length buckets) | pack (packed rows)
@@ -73,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
     t.batch_size = 128  # examples per step
     t.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
     t.num_steps = 1500  # total optimiser steps
-    t.label_smoothing = 0.1  # eps_ls
+    t.label_smoothing = 0.1  # eps_ls of §5.4: hurts perplexity, helps accuracy and BLEU
     t.log_every = 50  # steps between train-metric records
     t.eval_every = 500  # steps between validation evaluations (0: only at the end)
     t.eval_max_batches = 0  # batches per intermediate evaluation (0: the whole split)

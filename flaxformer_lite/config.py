@@ -141,26 +141,6 @@ class TransformerConfig:
         return out
 
 
-# Fields that change the shapes of parameters: a checkpoint can only be resumed
-# by a config that agrees on all of them.
-SHAPE_FIELDS = (
-    "vocab_size",
-    "target_vocab_size",
-    "share_embeddings",
-    "tie_output_embedding",
-    "d_model",
-    "num_heads",
-    "d_kv",
-    "d_ff",
-    "num_encoder_layers",
-    "num_decoder_layers",
-    "max_len",
-    "positions",
-    "norm",
-    "param_dtype",
-)
-
-
 def from_mapping(values: dict[str, Any]) -> TransformerConfig:
     """Builds a config from a (ml_collections or plain) mapping, rejecting unknown keys."""
     known = {f.name for f in dataclasses.fields(TransformerConfig)}

@@ -1,24 +1,346 @@
-"""Run configs (ml_collections, `configs/*.py`) -> validated library objects.
+"""Run configs (ml_collections, `configs/*.py`) -> typed, validated sections.
 
-A run config has four sections: `model` (fields of `TransformerConfig`),
-`data`, `optim` and `train`. This module checks them, builds the model config
-and the dataset splits, and produces the JSON-friendly view saved in a workdir.
+A run config has the sections `model` (fields of `TransformerConfig`), `data`,
+`optim`, `train` and optionally `mesh`. `parse` turns one into a `RunConfig` of
+frozen dataclasses, checking every field before any data is read: each bad
+value raises `ConfigError` with one line naming the flag. Fields missing from a
+config take the defaults below, which are those of configs/default.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_collections
 
-from flaxformer_lite.config import SHAPE_FIELDS as MODEL_SHAPE_FIELDS
+from flaxformer_lite import datasets
 from flaxformer_lite.config import ConfigError, TransformerConfig, from_mapping
 
-# What must agree for a checkpoint in a workdir to be resumed.
-SHAPE_FIELDS = MODEL_SHAPE_FIELDS
+BATCHINGS = ("fixed", "bucket", "pack")
+EVAL_SEARCHES = ("greedy", "beam")
+SCHEDULES = ("rsqrt", "constant", "cosine")
+VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
+SPLITS = ("train", "validation", "test")
+
+# The old call site of checkpoints.claim_workdir passes this; parameter shapes replaced it.
+SHAPE_FIELDS = ()
+
+# {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
+# "float32")}.
+ParamShapes = dict[str, tuple[tuple[int, ...], str]]
+
+load_splits = datasets.load_splits
+tfds_dir = datasets.tfds_dir
+
+
+# Checks: (flag, value) -> an error line, or None when the value is fine.
+Check = Callable[[str, Any], "str | None"]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_at_least(low: int) -> Check:
+    what = {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}")
+    return lambda flag, v: None if _is_int(v) and v >= low else f"{flag} must be {what}, got {v!r}"
+
+
+def _number(low: float, high: float | None = None, *, low_open=False, high_open=True) -> Check:
+    lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+    interval = f"{lo}{low:g}, {'inf' if high is None else f'{high:g}'}{hi}"
+
+    def check(flag, v):
+        ok = _is_number(v) and (v > low if low_open else v >= low)
+        if ok and high is not None:
+            ok = v < high if high_open else v <= high
+        return None if ok else f"{flag} must be a number in {interval}, got {v!r}"
+
+    return check
+
+
+def _one_of(*choices: str) -> Check:
+    return lambda flag, v: (
+        None if v in choices else f"{flag}={v!r} is not one of {', '.join(choices)}"
+    )
+
+
+def _boolean(flag, v):
+    return None if isinstance(v, bool) else f"{flag} must be True or False, got {v!r}"
+
+
+def _string(flag, v):
+    return None if isinstance(v, str) else f"{flag} must be a string, got {v!r}"
+
+
+def _strings(flag, v):
+    if isinstance(v, (tuple, list)) and v and all(isinstance(s, str) and s for s in v):
+        return None
+    return f"{flag} must be a non-empty tuple of strings, e.g. ('en', 'de'), got {v!r}"
+
+
+def _split_names(flag, v):
+    if not isinstance(v, Mapping) or not all(isinstance(s, str) for s in v.values()):
+        return f"{flag} must map split names to the corpus's own, got {v!r}"
+    unknown = sorted(set(v) - set(SPLITS))
+    if unknown:
+        return f"{flag} has key {unknown[0]!r}; its keys are {', '.join(SPLITS)}"
+    return None
+
+
+POSITIVE, NON_NEGATIVE, FRACTION = _int_at_least(1), _int_at_least(0), _number(0.0, 1.0)
+
+
+def _field(default, check: Check, default_factory=None):
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata={"check": check})
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """`data`: which dataset, its vocabulary and how it is batched."""
+
+    dataset: str = _field("number_words", _string)  # see flaxformer_lite/datasets.py
+    tfds_dir: str = _field("", _string)
+    languages: tuple[str, ...] = _field(("en", "de", "fr"), _strings)  # number_words
+    max_number: int = _field(9999, NON_NEGATIVE)  # number_words
+    seed: int = _field(0, NON_NEGATIVE)  # number_words, tsv: the seeded split
+    valid_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
+    test_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
+    corpus_dir: str = _field("", _string)  # parallel_text
+    source_lang: str = _field("", _string)  # parallel_text, catalog
+    target_lang: str = _field("", _string)  # parallel_text, catalog
+    # parallel_text, tsv, catalog: our split name -> the corpus's
+    split_names: Mapping[str, str] = _field(None, _split_names, default_factory=dict)
+    tsv_path: str = _field("", _string)  # tsv
+    source_column: int = _field(0, NON_NEGATIVE)  # tsv
+    target_column: int = _field(1, NON_NEGATIVE)  # tsv
+    vocab_size: int = _field(256, _int_at_least(2))
+    shared_vocab: bool = _field(True, _boolean)
+    target_vocab_size: int = _field(0, NON_NEGATIVE)
+    vocab_model_type: str = _field("unigram", _one_of(*VOCAB_MODEL_TYPES))
+    max_source_len: int = _field(10, _int_at_least(2))
+    max_target_len: int = _field(16, _int_at_least(2))
+    batching: str = _field("fixed", _one_of(*BATCHINGS))
+    max_tokens: int = _field(0, NON_NEGATIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """`optim`: the learning-rate schedule and AdamW."""
+
+    schedule: str = _field("rsqrt", _one_of(*SCHEDULES))
+    learning_rate: float = _field(0.5, _number(0.0, low_open=True))
+    warmup_steps: int = _field(400, NON_NEGATIVE)
+    b1: float = _field(0.9, FRACTION)
+    b2: float = _field(0.98, FRACTION)
+    eps: float = _field(1e-9, _number(0.0, low_open=True))
+    weight_decay: float = _field(0.0, _number(0.0))
+    grad_clip_norm: float = _field(0.0, _number(0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """`train`: steps, batches, evaluation, checkpoints and logging."""
+
+    seed: int = _field(0, NON_NEGATIVE)
+    batch_size: int = _field(128, POSITIVE)
+    grad_accum_steps: int = _field(1, POSITIVE)
+    num_steps: int = _field(1500, POSITIVE)
+    label_smoothing: float = _field(0.1, FRACTION)
+    log_every: int = _field(50, POSITIVE)
+    eval_every: int = _field(500, NON_NEGATIVE)
+    eval_max_batches: int = _field(0, NON_NEGATIVE)
+    eval_batch_size: int = _field(256, POSITIVE)
+    eval_search: str = _field("greedy", _one_of(*EVAL_SEARCHES))
+    eval_beam_size: int = _field(4, POSITIVE)
+    eval_alpha: float = _field(0.6, _number(0.0))
+    eval_bleu: bool = _field(False, _boolean)
+    checkpoint_every: int = _field(500, NON_NEGATIVE)
+    keep_checkpoints: int = _field(3, POSITIVE)
+    num_examples_to_print: int = _field(8, NON_NEGATIVE)
+    progress_bar: bool = _field(True, _boolean)
+    tensorboard: bool = _field(True, _boolean)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """`mesh`: devices for data x fsdp x model (see parallel/partitioning.py)."""
+
+    fsdp: int = _field(1, POSITIVE)
+    model: int = _field(1, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A checked run config. `model` has the vocabulary sizes asked for in `data`."""
+
+    model: TransformerConfig
+    data: DataConfig
+    optim: OptimConfig
+    train: TrainConfig
+    mesh: MeshConfig
+
+
+def _plain(value):
+    """ConfigDict values as plain Python: nested dicts, lists as tuples."""
+    if isinstance(value, (ml_collections.ConfigDict, Mapping)):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _section(cls, name: str, values: Mapping[str, Any]):
+    """Builds dataclass `cls` from `values`, checking every field; missing ones take defaults."""
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(values) - {f.name for f in fields})
+    if unknown:
+        raise ConfigError(
+            f"{name}.{unknown[0]} is not a {name} field; the fields are "
+            + ", ".join(f.name for f in fields)
+        )
+    kwargs = {}
+    for f in fields:
+        if f.name in values:
+            value = _plain(values[f.name])
+        else:
+            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if _is_int(value) and f.type == "float":
+            value = float(value)
+        message = f.metadata["check"](f"{name}.{f.name}", value)
+        if message:
+            raise ConfigError(message)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def parse(config: ml_collections.ConfigDict) -> RunConfig:
+    """The typed sections of a run config, every field and their consistency checked.
+
+    Raises:
+      ConfigError: one line naming the first bad flag and what it may be.
+    """
+    for section in ("model", "data", "optim", "train"):
+        if section not in config:
+            raise ConfigError(
+                f"run config has no '{section}' section; start from configs/default.py"
+            )
+    extra = sorted(set(config.keys()) - {"model", "data", "optim", "train", "mesh"})
+    if extra:
+        raise ConfigError(
+            f"run config has a section '{extra[0]}'; the sections are model, data, optim, "
+            "train and mesh"
+        )
+    share_embeddings = model_config(config).share_embeddings  # checks the model's fields
+    data = _section(DataConfig, "data", config.data)
+    optim = _section(OptimConfig, "optim", config.optim)
+    train = _section(TrainConfig, "train", config.train)
+    mesh = _section(MeshConfig, "mesh", config.mesh if "mesh" in config else {})
+    _check_dataset(data)
+    _check_vocabularies(data, share_embeddings)
+    model = planned_model_config(config)
+    if model.positions == "learned" and max(data.max_source_len, data.max_target_len) > (
+        model.max_len
+    ):
+        raise ConfigError(
+            f"model.max_len={model.max_len} is shorter than data.max_source_len="
+            f"{data.max_source_len} / data.max_target_len={data.max_target_len}, but learned "
+            "positions have one row per position: raise model.max_len"
+        )
+    if train.batch_size % train.grad_accum_steps:
+        raise ConfigError(
+            f"train.grad_accum_steps={train.grad_accum_steps} must divide "
+            f"train.batch_size={train.batch_size}"
+        )
+    if optim.schedule == "rsqrt" and optim.warmup_steps == 0:
+        raise ConfigError(
+            "optim.warmup_steps=0, but the rsqrt schedule divides by it: use warmup_steps >= 1 "
+            "or another optim.schedule"
+        )
+    if data.max_tokens and data.batching != "bucket":
+        raise ConfigError(
+            f"data.max_tokens={data.max_tokens} sizes length buckets, but data.batching="
+            f"{data.batching!r}: set --config.data.batching=bucket or data.max_tokens=0"
+        )
+    return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks what can be checked before any data is read (see `parse`). Raises ConfigError."""
+    parse(config)
+
+
+def _check_dataset(d: DataConfig) -> None:
+    """The fields the selected dataset reads (see flaxformer_lite/datasets.py)."""
+    if not d.dataset:
+        raise ConfigError(
+            "data.dataset is empty; name number_words, parallel_text, tsv or a TFDS catalog "
+            "dataset such as wmt14_translate/de-en"
+        )
+    if d.dataset == "number_words":
+        from num2words import CONVERTER_CLASSES
+
+        for lang in d.languages:
+            if lang not in CONVERTER_CLASSES:
+                raise ConfigError(
+                    f"data.languages has {lang!r}, which num2words cannot spell; choose from "
+                    + ", ".join(sorted(CONVERTER_CLASSES))
+                )
+    if d.dataset in ("number_words", "tsv") and d.valid_fraction + d.test_fraction >= 1.0:
+        raise ConfigError(
+            f"data.valid_fraction={d.valid_fraction} + data.test_fraction={d.test_fraction} "
+            "leave no training examples; keep their sum below 1"
+        )
+    if d.dataset == "parallel_text" and not d.corpus_dir:
+        raise ConfigError(
+            "data.corpus_dir is empty; data.dataset=parallel_text reads {split}.{lang} files "
+            "from it"
+        )
+    if d.dataset == "tsv":
+        if not d.tsv_path:
+            raise ConfigError("data.tsv_path is empty; data.dataset=tsv reads pairs from it")
+        if d.source_column == d.target_column:
+            raise ConfigError(
+                f"data.source_column and data.target_column are both {d.source_column}; "
+                "the source and the target must be different columns"
+            )
+    if d.dataset not in ("number_words", "tsv"):
+        for name in ("source_lang", "target_lang"):
+            if not getattr(d, name):
+                raise ConfigError(
+                    f"data.{name} is empty; data.dataset={d.dataset!r} needs the language "
+                    "of each side, e.g. --config.data.source_lang=en"
+                )
+        if d.source_lang == d.target_lang:
+            raise ConfigError(
+                f"data.source_lang and data.target_lang are both {d.source_lang!r}; "
+                "translation needs two languages"
+            )
+
+
+def _check_vocabularies(d: DataConfig, share_embeddings: bool) -> None:
+    if d.target_vocab_size == 1:
+        raise ConfigError(
+            "data.target_vocab_size must be 0 (same as data.vocab_size) or an integer >= 2, got 1"
+        )
+    if d.shared_vocab and d.target_vocab_size not in (0, d.vocab_size):
+        raise ConfigError(
+            f"data.target_vocab_size={d.target_vocab_size} needs separate vocabularies: set "
+            "--config.data.shared_vocab=False (and --config.model.share_embeddings=False)"
+        )
+    if not d.shared_vocab and share_embeddings:
+        raise ConfigError(
+            "data.shared_vocab=False gives the source and the target their own vocabularies, "
+            "which cannot share one embedding table: set --config.model.share_embeddings=False"
+        )
 
 
 def model_config(
@@ -43,165 +365,40 @@ def model_config(
 def planned_model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
     """The model a run will build before its vocabularies exist: the vocabulary sizes are
     the ones asked for in `data` (SentencePiece may return fewer pieces for small data)."""
-    d = config.data
-    target = d.get("target_vocab_size", 0) if not d.get("shared_vocab", True) else 0
+    d = _section(DataConfig, "data", config.data)
+    target = 0 if d.shared_vocab else d.target_vocab_size
     return model_config(config, d.vocab_size, target or None)
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Checks what can be checked before any data is read. Raises ConfigError."""
-    for section in ("model", "data", "optim", "train"):
-        if section not in config:
-            raise ConfigError(
-                f"run config has no '{section}' section; start from configs/default.py"
-            )
-    model_config(config)  # field names, types and consistency
-    for name, value in (config.get("mesh") or {}).items():
-        if name not in ("fsdp", "model"):
-            raise ConfigError(f"mesh.{name} is not a mesh field; the fields are fsdp and model")
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"mesh.{name} must be a positive integer, got {value!r}")
-    t, d = config.train, config.data
-    for name in ("batch_size", "eval_batch_size", "num_steps", "log_every"):
-        value = t[name]
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
-    accum = t.get("grad_accum_steps", 1)
-    if not isinstance(accum, int) or accum < 1 or t.batch_size % accum:
-        raise ConfigError(
-            f"train.grad_accum_steps={accum!r} must be a positive integer dividing "
-            f"train.batch_size={t.batch_size}"
-        )
-    if not 0.0 <= t.label_smoothing < 1.0:
-        raise ConfigError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing!r}")
-    for name in ("max_source_len", "max_target_len", "vocab_size"):
-        if not isinstance(d[name], int) or d[name] < 2:
-            raise ConfigError(f"data.{name} must be an integer >= 2, got {d[name]!r}")
-    shared = d.get("shared_vocab", True)
-    target_size = d.get("target_vocab_size", 0)
-    if not isinstance(target_size, int) or target_size < 0 or target_size == 1:
-        raise ConfigError(
-            f"data.target_vocab_size must be 0 (same as data.vocab_size) or an integer >= 2, "
-            f"got {target_size!r}"
-        )
-    if shared and target_size not in (0, d.vocab_size):
-        raise ConfigError(
-            f"data.target_vocab_size={target_size} needs separate vocabularies: set "
-            "--config.data.shared_vocab=False (and --config.model.share_embeddings=False)"
-        )
-    if not shared and config.model.share_embeddings:
-        raise ConfigError(
-            "data.shared_vocab=False gives the source and the target their own vocabularies, "
-            "which cannot share one embedding table: set --config.model.share_embeddings=False"
-        )
+def param_shapes(model: TransformerConfig) -> ParamShapes:
+    """{parameter path: (shape, dtype name)} of `model`, from `jax.eval_shape` (no allocation).
 
-
-def load_splits(data: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Dataset splits as random-access sources of {"source": bytes, "target": bytes}.
-
-    Keys: "train", "validation" and, when the dataset has one, "test".
-    data.dataset selects the loader:
-      number_words    the generated default task;
-      parallel_text   {split}.{lang} files in data.corpus_dir, split names mapped
-                      by data.split_names (e.g. {"validation": "val"});
-      tsv             a tab-separated pairs file data.tsv_path, seeded split;
-      anything else   a TFDS catalog name such as "wmt14_translate/de-en".
+    Paths join module names with "/", e.g. "decoder/layer_0/cross_attention/kv_kernel".
     """
-    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    try:
-        # TFDS announces preparation on stdout; keep stdout for results.
-        with contextlib.redirect_stdout(sys.stderr):
-            return _load(data, log)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"data: {e}") from e
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
 
+    from flaxformer_lite.models.transformer import Transformer
 
-def _renamed(splits: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    """Maps the library's split names (train/validation/test) to a corpus's own names."""
+    # Parameter shapes do not depend on the lengths: a [1, 8] source and target suffice.
+    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    variables = jax.eval_shape(
+        lambda rng, src, tgt: Transformer(model).init(rng, src, tgt),
+        jax.ShapeDtypeStruct((2,), jnp.uint32),
+        ids,
+        ids,
+    )
     out = {}
-    for ours in ("train", "validation", "test"):
-        theirs = names.get(ours, ours)
-        if theirs in splits:
-            out[ours] = splits[theirs]
-    if "train" not in out or "validation" not in out:
-        raise ConfigError(
-            f"the corpus has splits {sorted(splits)}, but training needs a train and a "
-            "validation split; map them with data.split_names, e.g. "
-            "--config.data.split_names=\"{'validation': 'val'}\""
-        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(variables["params"]))[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        out[name] = (tuple(int(n) for n in leaf.shape), jnp.dtype(leaf.dtype).name)
     return out
 
 
-def _load(data: ml_collections.ConfigDict, log) -> dict[str, Any]:
-    if data.dataset == "number_words":
-        from flaxformer_lite.data.numbers import load_number_words
-
-        return load_number_words(
-            tfds_dir(data),
-            tuple(data.languages),
-            data.max_number,
-            data.seed,
-            data.valid_fraction,
-            data.test_fraction,
-        )
-    from flaxformer_lite.data import translation
-
-    names = dict(data.get("split_names", None) or {})
-    if data.dataset == "parallel_text":
-        corpus = os.path.abspath(data.corpus_dir)
-        if not os.path.isdir(corpus):
-            raise ConfigError(
-                f"data.corpus_dir={data.corpus_dir!r} is not a directory; point it at a "
-                "folder of {split}.{lang} files"
-            )
-        wanted = [names.get(s, s) for s in ("train", "validation", "test")]
-        present = [
-            s
-            for s in wanted
-            if any(
-                os.path.exists(os.path.join(corpus, f"{s}.{data.source_lang}{gz}"))
-                for gz in ("", ".gz")
-            )
-        ]
-        splits = translation.load_parallel_text(
-            corpus,
-            data.source_lang,
-            data.target_lang,
-            tfds_dir=tfds_dir(data),
-            splits=present,
-            log=log,
-        )
-        return _renamed(splits, names)
-    if data.dataset == "tsv":
-        splits = translation.load_tsv_pairs(
-            data.tsv_path,
-            tfds_dir=tfds_dir(data),
-            source_column=data.source_column,
-            target_column=data.target_column,
-            seed=data.seed,
-            valid_fraction=data.valid_fraction,
-            test_fraction=data.test_fraction,
-            log=log,
-        )
-        return _renamed(splits, names)
-    splits = translation.load_catalog(
-        data.dataset,
-        source_lang=data.source_lang,
-        target_lang=data.target_lang,
-        tfds_dir=tfds_dir(data),
-    )
-    return _renamed(splits, names)
-
-
-def tfds_dir(data: ml_collections.ConfigDict) -> str:
-    """Where TFDS datasets are prepared: data.tfds_dir, else $TFDS_DATA_DIR, else TFDS's default."""
-    return (
-        data.tfds_dir
-        or os.environ.get("TFDS_DATA_DIR")
-        or os.path.expanduser("~/tensorflow_datasets")
-    )
+def saved_param_shapes(saved: Mapping[str, Any]) -> ParamShapes:
+    """`param_shapes` of the model in a run config as saved in a workdir (`to_saved_dict`)."""
+    return param_shapes(from_mapping(dict(saved["model"])))
 
 
 def to_saved_dict(config: ml_collections.ConfigDict, model: TransformerConfig) -> dict[str, Any]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -122,3 +124,45 @@ def friendly_errors(main: Callable) -> Callable:
             sys.exit(130)
 
     return wrapped
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists ("GPU 0: NVIDIA H200 (UUID: ...)"); [] without a driver."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        result = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if result.returncode != 0:
+        return []
+    return [line.strip() for line in result.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def report_platform(log: Callable[[str], None] | None = None) -> str:
+    """Logs `running on <platform>: <n> device(s)`; returns the platform ("cpu", "gpu", "tpu").
+
+    When JAX runs on the CPU although `nvidia-smi` sees a GPU, also logs a
+    warning naming the fix: the default `pip install -e .` installs the CPU-only
+    jaxlib, and a run on the wrong device is otherwise noticed only by its speed.
+    """
+    import jax
+
+    log = log or (lambda s: print(s, file=sys.stderr))
+    platform = jax.default_backend()
+    log(f"running on {platform}: {jax.device_count()} device(s)")
+    if platform == "cpu":
+        gpus = visible_gpus()
+        if gpus:
+            forced = os.environ.get("JAX_PLATFORMS", "")
+            fix = (
+                f"unset JAX_PLATFORMS={forced}"
+                if forced and not any(p in forced for p in ("cuda", "gpu"))
+                else 'install JAX\'s CUDA build: pip install -e ".[cuda12]"'
+            )
+            log(
+                f"warning: JAX runs on the CPU, but nvidia-smi lists {len(gpus)} GPU(s) "
+                f"({gpus[0]}); {fix}"
+            )
+    return platform

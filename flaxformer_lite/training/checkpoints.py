@@ -12,8 +12,8 @@ Layout of a workdir:
     tensorboard/         event files
 
 A run only writes into a workdir that is empty, new, or carries a
-`run_config.json` whose model shapes match its own; anything else is refused
-with a `WorkdirError`, and nothing is deleted.
+`run_config.json` whose model has the same parameter shapes as its own;
+anything else is refused with a `WorkdirError`, and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+from flaxformer_lite import files
+
+# {parameter path: (shape, dtype name)}, as `run_config.param_shapes` returns.
+ParamShapes = Mapping[str, tuple[tuple[int, ...], str]]
 
 RUN_CONFIG = "run_config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -39,16 +46,29 @@ class CheckpointIntegrityError(RuntimeError):
     """A restored checkpoint's bytes differ from what was saved."""
 
 
-def claim_workdir(workdir: str, run_config: dict[str, Any], shape_fields: tuple[str, ...]) -> bool:
+def claim_workdir(
+    workdir: str,
+    run_config: dict[str, Any],
+    param_shapes: ParamShapes | tuple = (),
+    saved_param_shapes: Callable[[dict[str, Any]], ParamShapes] | None = None,
+) -> bool:
     """Makes sure `workdir` belongs to this run; returns True if it already had a run.
+
+    A workdir's run is resumed when its model has the same parameters (paths,
+    shapes and dtypes) as this run's: changes that keep them, such as a dropout
+    rate, resume; any other change is refused.
 
     Args:
       workdir: directory path (created if missing).
-      run_config: JSON-friendly full config; its "model" entry is compared.
-      shape_fields: model fields that must agree to resume.
+      run_config: JSON-friendly full config (`run_config.to_saved_dict`).
+      param_shapes: this run's {parameter path: (shape, dtype name)}
+        (`run_config.param_shapes`); anything else (the tuple of field names that
+        older callers pass): computed from `run_config`.
+      saved_param_shapes: computes those of a saved run config; default
+        `run_config.saved_param_shapes`.
     Raises:
       WorkdirError: the path is a file, a non-empty foreign directory, or a
-        workdir whose model config differs.
+        workdir whose model has other parameters.
     """
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"workdir {workdir!r} is a file; pass --workdir a directory path")
@@ -66,19 +86,62 @@ def claim_workdir(workdir: str, run_config: dict[str, Any], shape_fields: tuple[
                 raise WorkdirError(
                     f"{marker} is not valid JSON ({e}); restore it or use another --workdir"
                 ) from e
-        old, new = previous.get("model", {}), run_config.get("model", {})
-        diffs = [k for k in shape_fields if old.get(k) != new.get(k)]
-        if diffs:
-            detail = ", ".join(f"{k}: {old.get(k)!r} there vs {new.get(k)!r} here" for k in diffs)
+        if saved_param_shapes is None:
+            from flaxformer_lite import run_config as run_config_lib
+
+            saved_param_shapes = run_config_lib.saved_param_shapes
+        if not isinstance(param_shapes, Mapping):
+            param_shapes = saved_param_shapes(run_config)
+        try:
+            old = saved_param_shapes(previous)
+        except (KeyError, TypeError, ValueError) as e:
             raise WorkdirError(
-                f"workdir {workdir!r} holds a model with a different config ({detail}); "
-                "use the same config to resume, or pass a new --workdir"
+                f"workdir {workdir!r} holds a run config whose model cannot be built here "
+                f"({type(e).__name__}: {e}); pass a new --workdir"
+            ) from e
+        diffs = shape_differences(old, param_shapes)
+        if diffs:
+            more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+            raise WorkdirError(
+                f"workdir {workdir!r} holds a model with other parameters ("
+                + "; ".join(diffs[:3])
+                + more
+                + "); use the same model config to resume, or pass a new --workdir"
             )
         return True
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
-        _write_json_atomic(marker, run_config)
+        files.atomic_write(marker, json.dumps(run_config, indent=2, sort_keys=True).encode())
     return False
+
+
+def shape_differences(there: ParamShapes, here: ParamShapes) -> list[str]:
+    """One "path: <there> there vs <here> here" per parameter that differs, in path order."""
+
+    def show(entry):
+        return "absent" if entry is None else f"{tuple(entry[0])} {entry[1]}"
+
+    out = []
+    for path in sorted(set(there) | set(here)):
+        a, b = there.get(path), here.get(path)
+        if a is None or b is None or (tuple(a[0]), a[1]) != (tuple(b[0]), b[1]):
+            out.append(f"{path}: {show(a)} there vs {show(b)} here")
+    return out
+
+
+def list_steps(workdir: str) -> list[int]:
+    """Steps of the complete checkpoints in `workdir`, ascending (unfinished saves skipped)."""
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return []
+    steps = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        # Orbax saves into "<step>.orbax-checkpoint-tmp-*" and renames when done; where renames
+        # are not atomic (GCS) it marks a finished "<step>" with a commit file instead.
+        if name.isdigit() and ocp.path.step.is_checkpoint_finalized(epath.Path(path)):
+            steps.append(int(name))
+    return sorted(steps)
 
 
 def load_run_config(workdir: str) -> dict[str, Any]:
@@ -91,13 +154,6 @@ def load_run_config(workdir: str) -> dict[str, Any]:
         )
     with open(marker, encoding="utf-8") as f:
         return json.load(f)
-
-
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
 
 
 def tree_checksums(tree) -> dict[str, str]:

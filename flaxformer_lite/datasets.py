@@ -1,0 +1,125 @@
+"""The datasets a run config can name, opened as train / validation / test splits.
+
+data.dataset selects the loader:
+  number_words    the generated default task (data.languages, data.max_number);
+  parallel_text   {split}.{lang} files in data.corpus_dir;
+  tsv             a tab-separated pairs file data.tsv_path, seeded split;
+  anything else   a TFDS catalog name such as "wmt14_translate/de-en".
+The fields each one reads are checked up front by `run_config.validate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from flaxformer_lite.config import ConfigError
+
+if TYPE_CHECKING:
+    from flaxformer_lite.run_config import DataConfig
+
+LOCAL_DATASETS = ("number_words", "parallel_text", "tsv")
+
+
+def load_splits(data: DataConfig) -> dict[str, Any]:
+    """Dataset splits as random-access sources of {"source": bytes, "target": bytes}.
+
+    Keys: "train", "validation" and, when the dataset has one, "test".
+    """
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    try:
+        # TFDS announces preparation on stdout; keep stdout for results.
+        with contextlib.redirect_stdout(sys.stderr):
+            return _load(data, log)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"data: {e}") from e
+
+
+def tfds_dir(data: DataConfig) -> str:
+    """Where TFDS datasets are prepared: data.tfds_dir, else $TFDS_DATA_DIR, else TFDS's default."""
+    return (
+        data.tfds_dir
+        or os.environ.get("TFDS_DATA_DIR")
+        or os.path.expanduser("~/tensorflow_datasets")
+    )
+
+
+def _renamed(splits: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """Maps the library's split names (train/validation/test) to a corpus's own names."""
+    out = {}
+    for ours in ("train", "validation", "test"):
+        theirs = names.get(ours, ours)
+        if theirs in splits:
+            out[ours] = splits[theirs]
+    if "train" not in out or "validation" not in out:
+        raise ConfigError(
+            f"the corpus has splits {sorted(splits)}, but training needs a train and a "
+            "validation split; map them with data.split_names, e.g. "
+            "--config.data.split_names=\"{'validation': 'val'}\""
+        )
+    return out
+
+
+def _load(data: DataConfig, log) -> dict[str, Any]:
+    if data.dataset == "number_words":
+        from flaxformer_lite.data.numbers import load_number_words
+
+        return load_number_words(
+            tfds_dir(data),
+            tuple(data.languages),
+            data.max_number,
+            data.seed,
+            data.valid_fraction,
+            data.test_fraction,
+        )
+    from flaxformer_lite.data import translation
+
+    names = dict(data.split_names)
+    if data.dataset == "parallel_text":
+        corpus = os.path.abspath(data.corpus_dir)
+        if not os.path.isdir(corpus):
+            raise ConfigError(
+                f"data.corpus_dir={data.corpus_dir!r} is not a directory; point it at a "
+                "folder of {split}.{lang} files"
+            )
+        wanted = [names.get(s, s) for s in ("train", "validation", "test")]
+        present = [
+            s
+            for s in wanted
+            if any(
+                os.path.exists(os.path.join(corpus, f"{s}.{data.source_lang}{gz}"))
+                for gz in ("", ".gz")
+            )
+        ]
+        splits = translation.load_parallel_text(
+            corpus,
+            data.source_lang,
+            data.target_lang,
+            tfds_dir=tfds_dir(data),
+            splits=present,
+            log=log,
+        )
+        return _renamed(splits, names)
+    if data.dataset == "tsv":
+        splits = translation.load_tsv_pairs(
+            data.tsv_path,
+            tfds_dir=tfds_dir(data),
+            source_column=data.source_column,
+            target_column=data.target_column,
+            seed=data.seed,
+            valid_fraction=data.valid_fraction,
+            test_fraction=data.test_fraction,
+            log=log,
+        )
+        return _renamed(splits, names)
+    splits = translation.load_catalog(
+        data.dataset,
+        source_lang=data.source_lang,
+        target_lang=data.target_lang,
+        tfds_dir=tfds_dir(data),
+    )
+    return _renamed(splits, names)

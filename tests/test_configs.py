@@ -1,0 +1,325 @@
+"""Run configs: every field checked up front, the resume check, and every config file trains."""
+
+import glob
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from configs import default
+from flaxformer_lite import run_config
+from flaxformer_lite.config import ConfigError
+from flaxformer_lite.training import checkpoints
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+
+
+def with_changes(changes: dict, base=default.get_config):
+    config = base()
+    for key, value in changes.items():
+        section, name = key.split(".")
+        if name in config[section]:
+            del config[section][name]  # ConfigDict keeps a field's type; a wrong one is the test
+        config[section][name] = value
+    return config
+
+
+def check_refused(changes: dict, words: str, base=default.get_config):
+    with pytest.raises(ConfigError) as e:
+        run_config.validate(with_changes(changes, base))
+    message = str(e.value)
+    assert "\n" not in message and words in message, message
+
+
+ENUMS = [
+    ("data.batching", run_config.BATCHINGS),
+    ("data.vocab_model_type", run_config.VOCAB_MODEL_TYPES),
+    ("train.eval_search", run_config.EVAL_SEARCHES),
+    ("optim.schedule", run_config.SCHEDULES),
+    ("model.positions", ("sinusoidal", "learned", "none")),
+    ("model.norm", ("post", "pre")),
+    ("model.activation", ("relu", "gelu")),
+    ("model.attention_impl", ("vmap", "fast")),
+    ("model.dropout_rng", ("hash", "threefry")),
+]
+
+
+@pytest.mark.parametrize("flag, choices", ENUMS)
+def test_every_enumerated_value(flag, choices):
+    for choice in choices:
+        extra = {"data.max_tokens": 64} if choice == "bucket" else {}
+        run_config.validate(with_changes({flag: choice, **extra}))
+    check_refused({flag: "beem"}, f"{flag}='beem' is not one of {', '.join(choices)}")
+
+
+@pytest.mark.parametrize(
+    "flag, bad, words",
+    [
+        ("train.batch_size", 0, "train.batch_size must be a positive integer, got 0"),
+        ("train.eval_batch_size", -1, "must be a positive integer"),
+        ("train.num_steps", 2.5, "train.num_steps must be a positive integer"),
+        ("train.log_every", 0, "train.log_every must be a positive integer"),
+        ("train.grad_accum_steps", 0, "train.grad_accum_steps must be a positive integer"),
+        ("train.grad_accum_steps", 3, "train.grad_accum_steps=3 must divide train.batch_size"),
+        ("train.label_smoothing", 1.0, "train.label_smoothing must be a number in [0, 1)"),
+        ("train.label_smoothing", -0.1, "train.label_smoothing must be a number in [0, 1)"),
+        ("train.eval_every", -1, "train.eval_every must be a non-negative integer"),
+        ("train.eval_max_batches", -1, "train.eval_max_batches must be a non-negative"),
+        ("train.eval_beam_size", 0, "train.eval_beam_size must be a positive integer"),
+        ("train.eval_alpha", -0.5, "train.eval_alpha must be a number in [0, inf)"),
+        ("train.checkpoint_every", -5, "train.checkpoint_every must be a non-negative"),
+        ("train.keep_checkpoints", 0, "train.keep_checkpoints must be a positive integer"),
+        ("train.num_examples_to_print", -1, "train.num_examples_to_print must be a non-neg"),
+        ("train.eval_bleu", "yes", "train.eval_bleu must be True or False"),
+        ("train.progress_bar", 1, "train.progress_bar must be True or False"),
+        ("train.seed", -1, "train.seed must be a non-negative integer"),
+        ("train.bach_size", 8, "train.bach_size is not a train field"),
+        ("optim.learning_rate", 0.0, "optim.learning_rate must be a number in (0, inf)"),
+        ("optim.warmup_steps", -1, "optim.warmup_steps must be a non-negative integer"),
+        ("optim.warmup_steps", 0, "optim.warmup_steps=0, but the rsqrt schedule"),
+        ("optim.b1", 1.0, "optim.b1 must be a number in [0, 1)"),
+        ("optim.b2", -0.1, "optim.b2 must be a number in [0, 1)"),
+        ("optim.eps", 0.0, "optim.eps must be a number in (0, inf)"),
+        ("optim.weight_decay", -1e-4, "optim.weight_decay must be a number in [0, inf)"),
+        ("optim.grad_clip_norm", -1.0, "optim.grad_clip_norm must be a number in [0, inf)"),
+        ("mesh.fsdp", 0, "mesh.fsdp must be a positive integer"),
+        ("mesh.model", 1.5, "mesh.model must be a positive integer"),
+        ("data.vocab_size", 1, "data.vocab_size must be an integer >= 2"),
+        ("data.max_source_len", 1, "data.max_source_len must be an integer >= 2"),
+        ("data.max_target_len", 0, "data.max_target_len must be an integer >= 2"),
+        ("data.max_tokens", -1, "data.max_tokens must be a non-negative integer"),
+        ("data.max_tokens", 512, "data.max_tokens=512 sizes length buckets"),
+        ("data.target_vocab_size", 1, "data.target_vocab_size must be 0"),
+        ("data.target_vocab_size", 300, "needs separate vocabularies"),
+        ("data.shared_vocab", "no", "data.shared_vocab must be True or False"),
+        ("data.shared_vocab", False, "cannot share one embedding table"),
+        ("data.valid_fraction", 1.0, "data.valid_fraction must be a number in [0, 1)"),
+        ("data.test_fraction", -0.1, "data.test_fraction must be a number in [0, 1)"),
+        ("data.valid_fraction", 0.96, "leave no training examples"),
+        ("data.max_number", -1, "data.max_number must be a non-negative integer"),
+        ("data.languages", (), "data.languages must be a non-empty tuple of strings"),
+        ("data.languages", ("en", "xx"), "data.languages has 'xx', which num2words cannot"),
+        ("data.split_names", {"dev": "val"}, "data.split_names has key 'dev'"),
+        ("data.dataset", "", "data.dataset is empty"),
+        ("model.dropout_rate", 1.0, "model.dropout_rate must be in [0, 1)"),
+        ("model.d_model", 30, "not divisible by model.num_heads"),
+        ("model.num_layers", 2, "unknown model config key(s) num_layers"),
+    ],
+)
+def test_every_range(flag, bad, words):
+    check_refused({flag: bad}, words)
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"data.dataset": "parallel_text"}, "data.corpus_dir is empty"),
+        ({"data.dataset": "parallel_text", "data.corpus_dir": "c"}, "data.source_lang is empty"),
+        (
+            {"data.dataset": "wmt14_translate/de-en", "data.source_lang": "en"},
+            "data.target_lang is empty",
+        ),
+        (
+            {"data.dataset": "x/y", "data.source_lang": "en", "data.target_lang": "en"},
+            "both 'en'",
+        ),
+        ({"data.dataset": "tsv"}, "data.tsv_path is empty"),
+        (
+            {"data.dataset": "tsv", "data.tsv_path": "p", "data.target_column": 0},
+            "data.source_column and data.target_column are both 0",
+        ),
+        ({"data.dataset": "tsv", "data.tsv_path": "p", "data.source_column": -1}, "non-neg"),
+        ({"model.positions": "learned", "model.max_len": 12}, "model.max_len=12 is shorter"),
+    ],
+)
+def test_dataset_fields_and_cross_checks(changes, words):
+    check_refused(changes, words)
+
+
+def test_typed_sections():
+    run = run_config.parse(default.get_config())
+    assert run.train.eval_search == "greedy" and run.data.batching == "fixed"
+    assert run.model.vocab_size == run.data.vocab_size and run.mesh.fsdp == 1
+    assert isinstance(run.optim.weight_decay, float)
+    config = default.get_config()
+    del config.train["eval_alpha"]  # a missing field takes its default
+    assert run_config.parse(config).train.eval_alpha == 0.6
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
+def test_every_config_validates(path):
+    run_config.validate(_load_config(path))
+
+
+def test_bad_eval_search_fails_before_any_data(tmp_path):
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "train.py", "--workdir", str(workdir), "--config.train.eval_search=beem"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: train.eval_search='beem' is not one of greedy, beam"
+    ]
+    assert not (workdir / "vocab.spm").exists() and not workdir.exists()
+
+
+# --- resuming: parameter shapes decide ---
+
+
+def _claim(workdir, **changes):
+    config = with_changes(changes)
+    model = run_config.planned_model_config(config)
+    saved = run_config.to_saved_dict(config, model)
+    return checkpoints.claim_workdir(
+        str(workdir), saved, run_config.param_shapes(model), run_config.saved_param_shapes
+    )
+
+
+def test_same_shapes_resume(tmp_path):
+    assert _claim(tmp_path / "w") is False
+    assert _claim(tmp_path / "w") is True
+
+
+def test_shape_neutral_change_resumes(tmp_path):
+    _claim(tmp_path / "w")
+    assert _claim(tmp_path / "w", **{"model.dropout_rate": 0.3, "train.num_steps": 9}) is True
+
+
+def test_different_d_ff_refused_naming_a_parameter(tmp_path):
+    _claim(tmp_path / "w")
+    with pytest.raises(checkpoints.WorkdirError) as e:
+        _claim(tmp_path / "w", **{"model.d_ff": 256})
+    message = str(e.value)
+    assert "\n" not in message
+    assert "decoder/layer_0/ffn/wi/bias: (512,) float32 there vs (256,) float32 here" in message
+
+
+def test_old_call_site_still_compares_shapes(tmp_path):
+    """claim_workdir(workdir, saved, run_config.SHAPE_FIELDS), as the trainer calls it."""
+    saved = lambda **c: run_config.to_saved_dict(  # noqa: E731
+        with_changes(c), run_config.planned_model_config(with_changes(c))
+    )
+    workdir = str(tmp_path / "w")
+    assert not checkpoints.claim_workdir(workdir, saved(), run_config.SHAPE_FIELDS)
+    assert checkpoints.claim_workdir(workdir, saved(**{"model.dropout_rate": 0.2}), ())
+    with pytest.raises(checkpoints.WorkdirError, match="other parameters"):
+        checkpoints.claim_workdir(workdir, saved(**{"model.num_decoder_layers": 2}), ())
+
+
+def test_list_steps_skips_unfinished_saves(tmp_path):
+    assert checkpoints.list_steps(str(tmp_path)) == []
+    ckpts = tmp_path / checkpoints.CHECKPOINT_DIR
+    for name in ("20", "3", "30.orbax-checkpoint-tmp-17", "notes"):
+        (ckpts / name).mkdir(parents=True)
+    assert checkpoints.list_steps(str(tmp_path)) == [3, 20]
+
+
+# --- every config file trains two steps ---
+
+# Catalog datasets run on tfds.testing.mock_data (random strings); with no TFDS metadata
+# installed, the splits are declared here and the dataset counts as prepared.
+MOCK_TRAIN = """
+import runpy, sys
+from unittest import mock
+import tensorflow_datasets as tfds
+train_py = sys.argv[1]
+sys.argv = [train_py, *sys.argv[2:]]
+with (
+    tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE),
+    mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", lambda self: True),
+    mock.patch.object(
+        tfds.core.DatasetInfo, "splits", new_callable=mock.PropertyMock,
+        return_value={"train": None, "validation": None, "test": None},
+    ),
+):
+    runpy.run_path(train_py, run_name="__main__")
+"""
+
+# Model dims are kept, except that paper-size models would compile for over a minute on two
+# cores: those (d_model >= 512) run as 1+1 layers of width 64.
+SHRINK = ["--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1"]
+SHRINK += ["--config.model.d_model=64", "--config.model.d_ff=128", "--config.model.d_kv=16"]
+
+WORDS = ["a", "man", "woman", "dog", "child", "red", "blue", "runs", "on", "the", "street"]
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def _load_config(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def _corpus(directory, config) -> None:
+    """A few generated {split}.{lang} lines under the config's own split names."""
+    rng = random.Random(0)
+    names = dict(config.data.split_names.to_dict())
+    for split, count in (("train", 40), ("validation", 8), ("test", 8)):
+        lines = [" ".join(rng.choices(WORDS, k=rng.randint(3, 8))) for _ in range(count)]
+        for lang in (config.data.source_lang, config.data.target_lang):
+            path = directory / f"{names.get(split, split)}.{lang}"
+            path.write_text("".join(f"{line} {lang}\n" for line in lines))
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))),
+    ids=lambda p: os.path.basename(p)[:-3],
+)
+def test_every_config_trains(path, tmp_path, compile_cache):
+    config = _load_config(path)
+    d = config.data
+    args = [
+        f"--config={path}",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.data.tfds_dir={tmp_path / 'tfds'}",
+        "--config.train.num_steps=2",
+        "--config.train.batch_size=4",
+        "--config.train.eval_batch_size=4",
+        "--config.train.eval_max_batches=1",
+        "--config.data.max_source_len=16",
+        "--config.data.max_target_len=16",
+        "--config.data.vocab_size=48",
+    ]
+    if d.max_tokens:
+        args.append("--config.data.max_tokens=64")  # 4 rows of 16 tokens
+    if config.model.d_model >= 512:
+        args += SHRINK
+    if d.dataset == "number_words":
+        args.append("--config.data.max_number=99")  # 100 numbers per language
+        command = ["train.py", *args]
+    elif d.dataset == "parallel_text":
+        _corpus(tmp_path, config)
+        command = ["train.py", *args, f"--config.data.corpus_dir={tmp_path}"]
+    else:
+        runner = tmp_path / "mock_train.py"
+        runner.write_text(MOCK_TRAIN)
+        command = [str(runner), "train.py", *args]
+    # The runs test that each config trains, not how fast: XLA's backend optimisations off
+    # halve their compile time; the cache serves programs two configs share (ende/deen).
+    env = dict(
+        ENV,
+        XLA_FLAGS="--xla_backend_optimization_level=0",
+        JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    result = subprocess.run(
+        [sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step=2" in result.stdout.splitlines()[-1], result.stdout[-2000:]
