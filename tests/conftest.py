@@ -23,6 +23,25 @@ def tiny_config(tfds_dir: str, **train_overrides):
     return config
 
 
+def tiny_model_config(**overrides):
+    """A TransformerConfig small enough that one forward pass takes milliseconds.
+
+    (`tiny_config` above is the run config; this is the model config alone.)
+    """
+    from flaxformer_lite.config import TransformerConfig
+
+    fields = dict(
+        vocab_size=29,
+        d_model=32,
+        num_heads=4,
+        d_ff=48,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout_rate=0.0,
+    )
+    return TransformerConfig(**(fields | overrides))
+
+
 @pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.nn import attention
@@ -103,17 +104,104 @@ def test_mask_helpers():
     np.testing.assert_array_equal(cross[0], np.array([[True, False, False]] * 4))
 
 
-def test_multihead_module_output_projection_and_d_kv():
-    cfg = TransformerConfig(
-        vocab_size=10, d_model=12, num_heads=3, d_kv=5, d_ff=8, dropout_rate=0.0
-    )
-    mha = attention.MultiHeadAttention(cfg, self_attention=False)
-    x, y = jnp.ones((2, 4, 12)), jnp.ones((2, 6, 12))
-    params = mha.init(jax.random.PRNGKey(0), x, y, None, deterministic=True)["params"]
-    shapes = {k: getattr(v, "value", v).shape for k, v in params.items()}
-    assert shapes["q_kernel"] == (12, 3, 5)
-    assert shapes["kv_kernel"] == (12, 2, 3, 5)
-    assert shapes["out_kernel"] == (3, 5, 12)
-    out, weights, cache = mha.apply({"params": params}, x, y, None, deterministic=True)
-    assert cache is None and weights.shape == (2, 3, 4, 6)
-    assert out.shape == (2, 4, 12)
+def _random_params(params, seed):
+    """Every parameter (biases too, which init to zero) replaced by a random draw."""
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(rng.normal(size=v.shape) * 0.5, jnp.float32) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("self_attention", [False, True])
+def test_multihead_module_output_projection_and_d_kv(self_attention):
+    """The module equals the §3.2.2 formula in float64 from its own parameters:
+    per head softmax(Q K^T / sqrt(d_kv)) V, heads concatenated, times W_O plus bias,
+    with d_kv = 5 != d_model / num_heads = 4."""
+    d, n, h = 12, 3, 5
+    cfg = TransformerConfig(vocab_size=10, d_model=d, num_heads=n, d_kv=h, d_ff=8, dropout_rate=0.0)
+    mha = attention.MultiHeadAttention(cfg, self_attention=self_attention)
+    rng = np.random.default_rng(4)
+    t, s = 4, (4 if self_attention else 6)
+    x = jnp.asarray(rng.normal(size=(2, t, d)), jnp.float32)
+    y = None if self_attention else jnp.asarray(rng.normal(size=(2, s, d)), jnp.float32)
+    keys = jnp.array([[5, 6, 7, 0, 0, 0][:s], [4] * s])  # row 0 has padded key columns
+    mask = attention.padding_mask(jnp.ones((2, t)), keys)
+    init = mha.init(jax.random.PRNGKey(0), x, y, mask, deterministic=True)["params"]
+    params = _random_params(nn.meta.unbox(init), 5)
+    shapes = {k: v.shape for k, v in params.items()}
+    if self_attention:
+        assert shapes["qkv_kernel"] == (d, 3, n, h)
+    else:
+        assert shapes["q_kernel"] == (d, n, h) and shapes["kv_kernel"] == (d, 2, n, h)
+    assert shapes["out_kernel"] == (n, h, d)
+    out, weights, cache = mha.apply({"params": params}, x, y, mask, deterministic=True)
+    assert cache is None
+
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    xq = np.asarray(x, np.float64)
+    xkv = xq if self_attention else np.asarray(y, np.float64)
+    if self_attention:
+        wq, wk, wv = (p["qkv_kernel"][:, i] for i in range(3))  # each [D, N, H]
+        bq, bk, bv = p["qkv_bias"]
+    else:
+        wq, bq = p["q_kernel"], p["q_bias"]
+        wk, wv = p["kv_kernel"][:, 0], p["kv_kernel"][:, 1]
+        bk, bv = p["kv_bias"]
+    m = np.asarray(mask)
+    want = np.zeros((2, t, d))
+    for b in range(2):
+        heads = []
+        for i in range(n):
+            q = xq[b] @ wq[:, i] + bq[i]  # [T, H]
+            k = xkv[b] @ wk[:, i] + bk[i]  # [S, H]
+            v = xkv[b] @ wv[:, i] + bv[i]
+            scores = np.where(m[b], q @ k.T / np.sqrt(h), -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            np.testing.assert_allclose(weights[b, i], w, atol=1e-5)
+            heads.append(w @ v)
+        concat = np.concatenate(heads, axis=-1)  # [T, N*H]
+        want[b] = concat @ p["out_kernel"].reshape(n * h, d) + p["out_bias"]
+    np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_fast_and_vmap_gradients_agree_with_masked_key_columns():
+    """Gradients of fast and per-head attention, w.r.t. q, k, v and a module's
+    parameters, with whole key columns masked (their k, v gradients exactly 0)."""
+    q, k, v = _qkv(6, t=7)
+    tokens = _source_tokens()  # row 0: columns 4..6 are padding
+    mask = attention.decoder_self_mask(tokens)
+    cot = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
+
+    def loss_vmap(q, k, v):
+        return jnp.sum(attention.batched_attention(q, k, v, mask)[0] * cot)
+
+    def loss_fast(q, k, v):
+        return jnp.sum(attention.fast_attention(q, k, v, mask) * cot)
+
+    want = jax.grad(loss_vmap, argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss_fast, argnums=(0, 1, 2))(q, k, v)
+    for name, g, w in zip("qkv", got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=name)
+    for g in (got[1], got[2], want[1], want[2]):
+        assert np.all(np.asarray(g)[0, 4:] == 0.0)  # masked keys get no gradient
+    assert np.abs(np.asarray(want[1])[0, :4]).max() > 1e-3  # the rest do
+
+    cfg = TransformerConfig(vocab_size=10, d_model=12, num_heads=3, d_ff=8, dropout_rate=0.0)
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 7, 12)), jnp.float32)
+    mods = {
+        impl: attention.MultiHeadAttention(cfg.replace(attention_impl=impl), True)
+        for impl in ("vmap", "fast")
+    }
+    init = mods["vmap"].init(jax.random.PRNGKey(0), x, None, mask, deterministic=True)["params"]
+    params = _random_params(nn.meta.unbox(init), 9)
+
+    def module_loss(impl):
+        def f(params, x):
+            out = mods[impl].apply({"params": params}, x, None, mask, deterministic=True)[0]
+            return jnp.sum(out * x)
+
+        return jax.grad(f, argnums=(0, 1))(params, x)
+
+    (gp_fast, gx_fast), (gp_vmap, gx_vmap) = module_loss("fast"), module_loss("vmap")
+    np.testing.assert_allclose(gx_fast, gx_vmap, atol=1e-5, rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(gp_fast[name], gp_vmap[name], atol=1e-5, rtol=1e-5, err_msg=name)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_config
 from flax import linen as nn
 
-from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.search import autoregressive
@@ -16,15 +16,7 @@ from flaxformer_lite.search import autoregressive
 jax.config.update("jax_default_matmul_precision", "highest")
 
 BOS, EOS = 2, 3
-TINY = TransformerConfig(
-    vocab_size=29,
-    d_model=32,
-    num_heads=4,
-    d_ff=48,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    dropout_rate=0.0,
-)
+TINY = tiny_model_config()
 SRC = jnp.array([[5, 6, 7, 8, 0, 0, 0], [9, 10, 11, 12, 13, 14, 15], [16, 0, 0, 0, 0, 0, 0]])
 TGT = jnp.array([[BOS, 4, 5, 6, 7, 8], [BOS, 7, 8, 9, 10, 11], [BOS, 20, 21, 22, 23, 24]])
 
@@ -70,37 +62,60 @@ def test_prefix_filled_in_one_call_equals_full_forward():
     np.testing.assert_allclose(logits, full[:, 4], atol=1e-5, rtol=1e-5)
 
 
-def test_cached_and_uncached_searches_agree():
+MIN_LEN = 3  # a random model may end at once; forbid EOS so the compared outputs are sequences
+
+
+def _assert_nontrivial(tokens):
+    """int32[B, n, L]: no hypothesis ends (or pads) within MIN_LEN tokens."""
+    first = np.asarray(tokens)[..., :MIN_LEN]
+    assert np.all((first != EOS) & (first != 0)), tokens
+
+
+def _decode(model, params, method, cached, prefix=None, **search):
+    config = predict.SearchConfig(method, 6, cached=cached, min_len=MIN_LEN, **search)
+    return predict.decode(model, params, SRC, search=config, bos_id=BOS, eos_id=EOS, prefix=prefix)
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_cached_and_uncached_searches_agree(method):
     model, params = Transformer(TINY), _params(TINY)
-    for method in ("greedy", "beam"):
-        a = predict.decode(
-            model, params, SRC, search=predict.SearchConfig(method, 6), bos_id=BOS, eos_id=EOS
-        )
-        b = predict.decode(
-            model,
-            params,
-            SRC,
-            search=predict.SearchConfig(method, 6, cached=False),
-            bos_id=BOS,
-            eos_id=EOS,
-        )
-        np.testing.assert_array_equal(a[0], b[0])
-        np.testing.assert_allclose(a[1], b[1], atol=1e-5)
+    a = _decode(model, params, method, cached=True)
+    b = _decode(model, params, method, cached=False)
+    _assert_nontrivial(a[0])
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_allclose(a[1], b[1], atol=1e-5)
+    if method == "beam":
+        assert len({tuple(x) for x in np.asarray(a[0])[0]}) == a[0].shape[1]  # distinct n-best
+
+
+def test_beam_search_with_a_prefix_equals_full_recompute():
+    """Beams > 1 after a forced prefix (one length for all rows, different tokens):
+    the prefix filled into the KV cache at once equals rerunning the whole decoder."""
+    model, params = Transformer(TINY), _params(TINY)
+    prefix = TGT[:, 1:4]
+    assert len({tuple(r) for r in np.asarray(prefix)}) == 3
+    a = _decode(model, params, "beam", cached=True, prefix=prefix, beam_size=3)
+    b = _decode(model, params, "beam", cached=False, prefix=prefix, beam_size=3)
+    _assert_nontrivial(a[0])
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_allclose(a[1], b[1], atol=1e-5)
 
 
 def test_beam_one_equals_greedy_on_a_model():
     model, params = Transformer(TINY), _params(TINY)
+    search = dict(max_len=8, min_len=MIN_LEN)
     greedy, _ = predict.decode(
-        model, params, SRC, search=predict.SearchConfig("greedy", 8), bos_id=BOS, eos_id=EOS
+        model, params, SRC, search=predict.SearchConfig("greedy", **search), bos_id=BOS, eos_id=EOS
     )
     beam, _ = predict.decode(
         model,
         params,
         SRC,
-        search=predict.SearchConfig("beam", 8, beam_size=1, alpha=0.0),
+        search=predict.SearchConfig("beam", beam_size=1, alpha=0.0, **search),
         bos_id=BOS,
         eos_id=EOS,
     )
+    _assert_nontrivial(greedy)
     np.testing.assert_array_equal(greedy, beam)
 
 
@@ -129,6 +144,7 @@ def table_lm(rules: dict[tuple[int, int], dict[int, float]], max_len: int, batch
         logits = table[cache["i"], ids[:, 0]]  # [rows, V]
         return logits, {"i": cache["i"] + 1}
 
+    fn.table = table  # [max_len, V, V], for `per_row_table_lm`
     return fn, {"i": jnp.int32(0)}
 
 
@@ -180,16 +196,18 @@ def test_beams_finish_at_different_lengths_nbest_sorted():
         assert float(scores[0, k]) == pytest.approx(math.log(p), abs=1e-5)
 
 
+# Short: B EOS with p = 0.5 (len 2). Long: A A A EOS with p = 0.45 (len 4).
+LENGTH_PENALTY_RULES = {
+    (0, BOS): {A: 0.5, B_: 0.5},
+    (1, B_): {EOS: 1.0},
+    (1, A): {A: 0.9, EOS: 0.1},
+    (2, A): {A: 1.0},
+    (3, A): {EOS: 1.0},
+}
+
+
 def test_length_penalty_changes_the_winner():
-    # Short: B EOS with p = 0.5 (len 2). Long: A A A EOS with p = 0.45 (len 4).
-    rules = {
-        (0, BOS): {A: 0.5, B_: 0.5},
-        (1, B_): {EOS: 1.0},
-        (1, A): {A: 0.9, EOS: 0.1},
-        (2, A): {A: 1.0},
-        (3, A): {EOS: 1.0},
-    }
-    fn, cache = table_lm(rules, 6)
+    fn, cache = table_lm(LENGTH_PENALTY_RULES, 6)
     kwargs = dict(batch_size=1, beam_size=2, max_len=6, bos_id=BOS, eos_id=EOS)
     seqs, scores = autoregressive.beam_search(fn, cache, alpha=0.0, **kwargs)
     assert seqs[0, 0, :2].tolist() == [B_, EOS]
@@ -225,17 +243,62 @@ def test_min_len_forbids_early_eos():
     assert out.tolist() == [[A, EOS, 0]]
 
 
-def test_batch_rows_are_independent_in_beam_search():
-    fn, cache = table_lm(BEAM_BEATS_GREEDY, 4)
-    one, s1 = autoregressive.beam_search(
-        fn, cache, batch_size=1, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.6
-    )
-    three, s3 = autoregressive.beam_search(
-        fn, cache, batch_size=3, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.6
-    )
-    for row in range(3):
-        np.testing.assert_array_equal(three[row, 0], one[0, 0])
-        np.testing.assert_allclose(s3[row, 0], s1[0, 0])
+def per_row_table_lm(rows_rules, max_len: int, beams: int):
+    """Like `table_lm`, but example b follows its own rules rows_rules[b].
+
+    Which example a row belongs to travels in the cache (int32[B * beams]), as
+    an encoder output would, so a search that mixes rows when it reorders
+    beams feeds a row another example's table.
+    """
+    tables = jnp.stack([table_lm(r, max_len)[0].table for r in rows_rules])  # [B, L, V, V]
+
+    def fn(ids, cache):
+        logits = tables[cache["example"], cache["i"], ids[:, 0]]  # [rows, V]
+        return logits, {"i": cache["i"] + 1, "example": cache["example"]}
+
+    example = jnp.repeat(jnp.arange(len(rows_rules), dtype=jnp.int32), beams)
+    return fn, {"i": jnp.int32(0), "example": example}
+
+
+SPREAD_RULES = {
+    (0, BOS): {A: 0.5, B_: 0.3, C: 0.2},
+    (1, A): {EOS: 0.2, A: 0.8},
+    (2, A): {EOS: 1.0},
+    (1, B_): {C: 0.7, EOS: 0.3},
+    (2, C): {B_: 0.6, EOS: 0.4},
+    (1, C): {EOS: 1.0},
+}
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_batch_rows_are_independent_in_beam_search(beam_size):
+    """Three examples with different distributions, searched together, give each
+    example's n-best list searched alone (in either batch order)."""
+    rules = [BEAM_BEATS_GREEDY, LENGTH_PENALTY_RULES, SPREAD_RULES]
+    kw = dict(beam_size=beam_size, max_len=6, bos_id=BOS, eos_id=EOS, alpha=0.6)
+    alone = []
+    for r in rules:
+        fn, cache = table_lm(r, 6)
+        alone.append(autoregressive.beam_search(fn, cache, batch_size=1, **kw))
+    # The examples really differ, so a row fed another's table would show.
+    assert len({tuple(np.asarray(s)[0, 0]) for s, _ in alone}) == 3
+    for order in ([0, 1, 2], [2, 0, 1]):
+        fn, cache = per_row_table_lm([rules[i] for i in order], 6, beam_size)
+        seqs, scores = autoregressive.beam_search(fn, cache, batch_size=3, **kw)
+        for row, i in enumerate(order):
+            np.testing.assert_array_equal(seqs[row], alone[i][0][0])
+            np.testing.assert_allclose(scores[row], alone[i][1][0], atol=1e-6)
+    if beam_size == 1:
+        fn, cache = per_row_table_lm(rules, 6, 1)
+        greedy = autoregressive.greedy_search(
+            fn, cache, batch_size=3, max_len=6, bos_id=BOS, eos_id=EOS
+        )
+        for row, r in enumerate(rules):
+            fn1, cache1 = table_lm(r, 6)
+            one = autoregressive.greedy_search(
+                fn1, cache1, batch_size=1, max_len=6, bos_id=BOS, eos_id=EOS
+            )
+            np.testing.assert_array_equal(greedy[row], one[0])
 
 
 # ----------------------------------------------------------------------------

@@ -131,11 +131,33 @@ def test_other_schedules():
         optim.make_schedule("linear", d_model=8, warmup_steps=1, learning_rate=1.0, total_steps=1)
 
 
-def test_gradient_clipping_bounds_the_update_norm():
-    tx = optim.make_optimizer(optax.constant_schedule(1.0), grad_clip_norm=1.0)
-    params = {"w": jnp.zeros(3)}
-    grads = {"w": jnp.array([30.0, 40.0, 0.0])}
-    clipped, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
-    assert float(optax.global_norm(clipped)) == pytest.approx(1.0, rel=1e-5)
-    updates, _ = tx.update(grads, tx.init(params), params)
-    assert np.all(np.isfinite(updates["w"]))
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_gradient_clipping_bounds_the_update_norm(weight_decay):
+    # Our optimiser with grad_clip_norm=c fed huge gradients updates exactly as the
+    # unclipped optimiser fed the same gradients rescaled to global norm c. Two
+    # steps: Adam's first update barely depends on the gradient scale, so the
+    # second (a small, unclipped gradient) is where missing clipping shows.
+    c = 1.0
+    sched = optax.constant_schedule(0.1)
+    clipped = optim.make_optimizer(sched, grad_clip_norm=c, weight_decay=weight_decay)
+    plain = optim.make_optimizer(sched, weight_decay=weight_decay)
+    params = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array([0.3])}
+    huge = {"w": jnp.array([300.0, 400.0, 0.0]), "b": jnp.array([1200.0])}  # norm 1300
+    small = {"w": jnp.array([0.1, -0.2, 0.05]), "b": jnp.array([0.1])}  # norm < c
+    rescaled = jax.tree.map(lambda g: g * (c / 1300.0), huge)
+
+    def run(tx, grads_seq):
+        state, p, updates = tx.init(params), params, []
+        for g in grads_seq:
+            u, state = tx.update(g, state, p)
+            p = optax.apply_updates(p, u)
+            updates.append(u)
+        return updates
+
+    got = run(clipped, [huge, small])
+    want = run(plain, [rescaled, small])
+    unclipped = run(plain, [huge, small])
+    for g, w in zip(got, want):
+        for name in params:
+            np.testing.assert_allclose(g[name], w[name], rtol=1e-6, atol=1e-9)
+    assert not np.allclose(got[1]["w"], unclipped[1]["w"], rtol=1e-3)

@@ -94,7 +94,7 @@ def test_shared_embeddings_with_separate_vocabularies_is_refused(tfds_dir, tmp_p
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path):
+def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path, monkeypatch):
     from flaxformer_lite.training import loop
     from flaxformer_lite.translate import runner
 
@@ -121,10 +121,28 @@ def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path):
         model, state.params, vocab, run_config, ["en 12", "", "de 7"], search=search
     )
     assert len(result.texts) == 3 and result.texts[1] == ""
-    # Output ids index the target vocabulary and decode with it.
-    ids = result.output_ids[0]
-    assert ids and max(ids) < target_size
-    assert result.texts[0] == vocab.target.decode(ids)
+    assert result.output_ids[0] and max(result.output_ids[0]) < target_size
+
+    # Hypotheses are decoded with the TARGET vocabulary: feed the runner ids
+    # whose pieces differ between the two vocabularies and read the text back.
+    common = range(4, min(source_size, target_size))  # past PAD, UNK, BOS, EOS
+    chosen = [i for i in common if vocab.source.id_to_piece(i) != vocab.target.id_to_piece(i)][:4]
+    assert len(chosen) == 4
+    calls = []
+
+    def fake_decode(model, params, inputs, *, search, **kw):
+        calls.append(inputs.shape)
+        tokens = np.zeros((inputs.shape[0], 1, search.max_len), np.int32)
+        tokens[:, 0, : len(chosen) + 1] = chosen + [EOS_ID]
+        return tokens, np.zeros((inputs.shape[0], 1), np.float32)
+
+    monkeypatch.setattr(runner.predict, "decode", fake_decode)
+    faked = runner.decode_lines(model, state.params, vocab, run_config, ["en 12"], search=search)
+    assert calls and faked.output_ids == [chosen + [EOS_ID]]
+    # The target text, spelled from the target's pieces (SentencePiece's word marker).
+    spelled = "".join(vocab.target.id_to_piece(i) for i in chosen).replace("\u2581", " ").strip()
+    assert faked.texts[0] == vocab.target.decode(chosen) == spelled
+    assert faked.texts[0] != vocab.source.decode(chosen)
 
     # The same workdir with a shared-vocabulary config is refused, not reinterpreted.
     with pytest.raises(ConfigError, match="separate vocabularies"):

@@ -1,0 +1,71 @@
+"""Decoding with parameters sharded over fsdp x model equals decoding on one device."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+from conftest import ROOT
+
+# Run in a fresh process with 4 host devices (the device count is fixed at jax
+# start-up). argv: repository root, output .npz path.
+SCRIPT = """
+import sys
+root, out = sys.argv[1], sys.argv[2]
+sys.path[:0] = [root, root + "/tests"]
+import jax, jax.numpy as jnp, numpy as np
+from flax import linen as nn
+from conftest import tiny_model_config
+from flaxformer_lite.models import predict
+from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.parallel import partitioning
+
+jax.config.update("jax_default_matmul_precision", "highest")
+assert jax.device_count() == 4, jax.devices()
+cfg = tiny_model_config(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1)
+model = Transformer(cfg)
+src = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14], [16, 0, 0, 0, 0, 0],
+                 [20, 21, 22, 0, 0, 0]])
+boxed = model.init(jax.random.PRNGKey(1), src, src[:, :5])["params"]
+params = nn.meta.unbox(boxed)
+mesh = partitioning.make_mesh(fsdp=2, model=2)
+shardings = partitioning.logical_shardings(boxed, mesh)
+sharded = jax.device_put(params, shardings)
+inputs = jax.device_put(src, partitioning.batch_sharding(mesh))
+# The layout is really split both ways: some kernel is split over fsdp and model.
+full = [x.shape for x in jax.tree.leaves(params)]
+splits = [s.shard_shape(shape) for s, shape in zip(jax.tree.leaves(shardings), full)]
+assert any(len(a) == 2 and a[0] * 2 == b[0] and a[1] * 2 == b[1] for a, b in zip(splits, full))
+results = {}
+for method in ("greedy", "beam"):
+    search = predict.SearchConfig(method, 6, beam_size=2, min_len=2)
+    for name, p, x in (("one", params, src), ("mesh", sharded, inputs)):
+        tokens, scores = predict.decode(model, p, x, search=search, bos_id=2, eos_id=3)
+        results[f"{method}_{name}_tokens"] = np.asarray(tokens)
+        results[f"{method}_{name}_scores"] = np.asarray(scores)
+np.savez(out, **results)
+"""
+
+
+def test_fsdp_and_model_sharded_decoding_equals_one_device(tmp_path):
+    out = str(tmp_path / "decoded.npz")
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, ROOT, out],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = dict(np.load(out))
+    for method in ("greedy", "beam"):
+        one, mesh = got[f"{method}_one_tokens"], got[f"{method}_mesh_tokens"]
+        assert np.all((one[..., :2] != 3) & (one[..., :2] != 0)), one  # not EOS/PAD at once
+        np.testing.assert_array_equal(mesh, one, err_msg=method)
+        np.testing.assert_allclose(
+            got[f"{method}_mesh_scores"], got[f"{method}_one_scores"], atol=1e-5
+        )
+    assert got["beam_one_tokens"].shape == (4, 2, 6)
