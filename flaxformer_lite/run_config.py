@@ -379,18 +379,16 @@ def param_shapes(model: TransformerConfig) -> ParamShapes:
     import jax
     import jax.numpy as jnp
 
-    from flaxformer_lite.models.transformer import Transformer
+    from flaxformer_lite.models.autoregressive import AutoregressiveModel
 
     # Parameter shapes do not depend on the lengths: a [1, 8] source and target suffice.
-    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    variables = jax.eval_shape(
-        lambda rng, src, tgt: Transformer(model).init(rng, src, tgt),
+    shapes = {"inputs": (1, 8), "targets": (1, 8)}
+    params = jax.eval_shape(
+        lambda rng: AutoregressiveModel(model).init(rng, shapes),
         jax.ShapeDtypeStruct((2,), jnp.uint32),
-        ids,
-        ids,
     )
     out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(variables["params"]))[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         out[name] = (tuple(int(n) for n in leaf.shape), jnp.dtype(leaf.dtype).name)
     return out

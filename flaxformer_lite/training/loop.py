@@ -132,7 +132,9 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
         None if tokenizer.shared else tokenizer.target.vocab_size,
     )
     saved = run_config_lib.to_saved_dict(config, model_cfg)
-    had_run = checkpoints.claim_workdir(workdir, saved, run_config_lib.SHAPE_FIELDS)
+    had_run = checkpoints.claim_workdir(
+        workdir, saved, run_config_lib.param_shapes(model_cfg), run_config_lib.saved_param_shapes
+    )
     if new_vocab and jax.process_index() == 0:
         tokenizer.save(workdir)
     return splits, tokenizer, model_cfg, saved, had_run
