@@ -57,6 +57,7 @@ def main(argv):
         logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
     from flaxformer_lite.translate import command, files
 
+    cli.report_platform()
     try:
         command.run(
             command.Options(**{name: FLAGS[name].value for name in command.Options.names()})

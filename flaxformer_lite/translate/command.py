@@ -71,11 +71,9 @@ def run(o: Options) -> None:
       InputError, WorkdirError, FileNotFoundError, CheckpointIntegrityError:
         with a message that says what to change.
     """
-    from flaxformer_lite.tools import cli
     from flaxformer_lite.training import restore
 
     _check_options(o)
-    cli.report_platform()
     run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
     search = None
     if not o.score:
