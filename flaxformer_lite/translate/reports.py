@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flaxformer_lite.bleu import corpus_scores
 from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
 from flaxformer_lite.translate.files import InputError
 
@@ -26,14 +27,8 @@ def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> str:
     Raises:
       InputError: the counts of hypotheses and references differ.
     """
-    from sacrebleu.metrics import BLEU, CHRF
-
     check_line_counts(len(hypotheses), len(references))
-    report = []
-    for metric in (BLEU(), CHRF()):
-        score = metric.corpus_score(list(hypotheses), [list(references)])
-        report.append(score.format(signature=str(metric.get_signature())))
-    return "\n".join(report)
+    return corpus_scores(hypotheses, references).report
 
 
 def input_warnings(num_invalid_utf8: int, sources, max_source_len: int) -> list[str]:

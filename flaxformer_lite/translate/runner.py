@@ -50,8 +50,7 @@ def open_workdir(workdir: str, step: int | None = None) -> tuple[dict, Vocabular
         )
     run_config = checkpoints.load_run_config(workdir)
     ckpt_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
-    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
-    steps = sorted(int(n) for n in names if n.isdigit())  # skips orbax's unfinished saves
+    steps = checkpoints.list_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; run train.py --workdir {workdir}")
     if step is not None and step not in steps:

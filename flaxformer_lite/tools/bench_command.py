@@ -1,0 +1,218 @@
+"""What `bench.py` runs: the model to time from flags or a run config, then the benchmarks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from flaxformer_lite.tools import cli
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """bench.py's flags, which of them were given, its argv and its path."""
+
+    flags: Any  # attribute per flag: bench.py's parsed flag values
+    present: frozenset[str]  # the flags given on the command line
+    argv: list[str]
+    script: str
+
+
+# Size flag -> the model fields it sets.
+_SIZE_FLAGS = {
+    "vocab_size": ("vocab_size",),
+    "d_model": ("d_model",),
+    "d_ff": ("d_ff",),
+    "num_heads": ("num_heads",),
+    "num_layers": ("num_encoder_layers", "num_decoder_layers"),
+    "dtype": ("dtype",),
+    "scan_layers": ("scan_layers",),
+    "remat": ("remat",),
+}
+
+
+def model_config(opts: Options):
+    """The model to time: --config's (its data.vocab_size as the vocabulary), or the flags'."""
+    from flaxformer_lite import run_config
+    from flaxformer_lite.config import TransformerConfig
+
+    if opts.flags.config is None:
+        values = {
+            field: getattr(opts.flags, flag)
+            for flag, fields in _SIZE_FLAGS.items()
+            for field in fields
+        }
+        return TransformerConfig(dropout_rate=0.1, max_len=1024, **values)
+    run_config.validate(opts.flags.config)
+    config = run_config.planned_model_config(opts.flags.config)
+    given = {
+        field: getattr(opts.flags, flag)
+        for flag, fields in _SIZE_FLAGS.items()
+        if flag in opts.present
+        for field in fields
+    }
+    if "vocab_size" in given and config.target_vocab_size is None:
+        given["target_vocab_size"] = None
+    return config.replace(max_len=max(config.max_len, 1024), **given)
+
+
+def _model_args(opts: Options) -> list[str]:
+    """The flags of this run that define the model, to pass to a child bench.py."""
+    args = []
+    for name in _SIZE_FLAGS:
+        value = getattr(opts.flags, name)
+        if not (name in opts.present or opts.flags.config is None):
+            continue
+        if isinstance(value, bool):
+            args.append(f"--{name}" if value else f"--no{name}")
+        else:
+            args.append(f"--{name}={value}")
+    argv = opts.argv
+    for i, arg in enumerate(argv):
+        if arg.startswith(("--config=", "--config.")):
+            args.append(arg)
+        elif arg == "--config" and i + 1 < len(argv):
+            args.append(f"--config={argv[i + 1]}")
+    return args
+
+
+def _sweep(opts: Options, results):
+    from flaxformer_lite.tools import benchmark
+
+    config, peak = model_config(opts), benchmark.matmul_peak()
+    quiet = lambda s: None  # noqa: E731
+    print("step time vs batch (length 64/64):")
+    for b in (4, 8, 16, 32):
+        r = benchmark.train_benchmark(config, batch=b, steps=3, peak_flops=peak, log=quiet)
+        results[f"sweep_batch{b}"] = r
+        print(
+            f"  batch {b:>3}: {r['step_s']:.3f} s  {r['tokens_per_s']:.0f} tokens/s  "
+            f"MFU {r['mfu']:.1%}"
+        )
+    print("step time vs length (batch 16):")
+    for n in (32, 64, 128):
+        r = benchmark.train_benchmark(
+            config, batch=16, source_len=n, target_len=n, steps=3, peak_flops=peak, log=quiet
+        )
+        results[f"sweep_len{n}"] = r
+        print(
+            f"  length {n:>3}: {r['step_s']:.3f} s  {r['tokens_per_s']:.0f} tokens/s  "
+            f"MFU {r['mfu']:.1%}"
+        )
+    print("data parallel on simulated CPU devices (global batch 16, one process each):")
+    base = None
+    for devices in (1, 2, 4, 8):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        out = subprocess.run(
+            [
+                sys.executable,
+                opts.script,
+                "--mode=train",
+                "--repeats=3",
+                "--json=/dev/stdout",
+                f"--batch={opts.flags.batch}",
+                *_model_args(opts),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        r = json.loads(out[out.index("{") :])
+        base = base or r["train"]["step_s"]
+        results[f"dp{devices}"] = r["train"]
+        print(
+            f"  {devices} device(s): {r['train']['step_s']:.3f} s/step  "
+            f"speed-up {base / r['train']['step_s']:.2f}x  efficiency "
+            f"{base / r['train']['step_s'] / devices:.0%}"
+        )
+
+
+def check_compare(opts: Options) -> None:
+    """Fails early, in one line, when `--compare` cannot run."""
+    if opts.flags.mode not in ("all", "train"):
+        cli.fail(
+            f"--compare times training; use it with --mode train or all, not {opts.flags.mode}"
+        )
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        cli.fail(
+            f"--compare {opts.flags.compare} needs PyTorch, which is not installed; "
+            'pip install -e ".[torch]"'
+        )
+
+
+def _describe(config, log) -> None:
+    import jax
+
+    log(
+        f"devices: {jax.devices()}; model {config.num_encoder_layers}+"
+        f"{config.num_decoder_layers} layers, d_model {config.d_model}, d_ff {config.d_ff}, "
+        f"{config.num_heads} heads, vocab {config.vocab_size}, {config.dtype}"
+        + (", layers scanned" if config.scan_layers else "")
+        + (", rematerialised" if config.remat else "")
+    )
+
+
+def _train(f, config, log) -> dict:
+    from flaxformer_lite.tools import benchmark
+
+    log(
+        f"training: batch {f.batch} x {f.source_len} source x {f.target_len} "
+        "target tokens, Adam, library train step"
+    )
+    shapes = dict(batch=f.batch, source_len=f.source_len, target_len=f.target_len)
+    if f.compare:
+        return benchmark.compare_train_benchmark(
+            config,
+            baseline=f.compare,
+            repeats=f.repeats,
+            threads=f.torch_threads or None,
+            log=log,
+            **shapes,
+        )
+    return benchmark.train_benchmark(config, steps=f.repeats, log=log, **shapes)
+
+
+def _decode(f, config, log) -> dict:
+    from flaxformer_lite.tools import benchmark
+
+    log(f"decoding: batch {f.batch}, source {f.source_len}, {f.new_tokens} new tokens")
+    return benchmark.decode_benchmark(
+        config.replace(dropout_rate=0.0),
+        batch=f.batch,
+        source_len=f.source_len,
+        new_tokens=f.new_tokens,
+        beam_size=f.beam_size,
+        repeats=f.repeats,
+        uncached=f.uncached,
+        log=log,
+    )
+
+
+def run(opts: Options) -> dict:
+    """Measures what the flags ask for, logs it, writes --json; returns the results."""
+    from flaxformer_lite.tools import host_memory
+
+    f = opts.flags
+    config = model_config(opts)
+    log = (lambda s: print(s, file=sys.stderr)) if f.json == "/dev/stdout" else print
+    _describe(config, log)
+    log(f"host malloc: {'reuse freed memory' if host_memory.applied() else 'system default'}")
+    results = {"config": config.to_dict(), "host_malloc_reuse": host_memory.applied()}
+    if f.mode in ("all", "train"):
+        results["train"] = _train(f, config, log)
+    if f.mode in ("all", "decode"):
+        results["decode"] = _decode(f, config, log)
+    if f.mode == "sweep":
+        _sweep(opts, results)
+    if f.json:
+        with open(f.json, "w") as out:
+            json.dump(results, out, indent=2)
+    sys.stdout.flush()
+    return results
