@@ -57,10 +57,10 @@ def main(argv):
         logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
     from flaxformer_lite.translate import command, files
 
-    cli.report_platform()
     try:
         command.run(
-            command.Options(**{name: FLAGS[name].value for name in command.Options.names()})
+            command.Options(**{name: FLAGS[name].value for name in command.Options.names()}),
+            on_inputs_checked=cli.report_platform,
         )
     except files.InputError as e:
         cli.fail(str(e))

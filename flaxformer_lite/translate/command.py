@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 
 from flaxformer_lite.translate import files, reports, runner
 
@@ -64,8 +65,12 @@ def _check_options(o: Options) -> None:
         raise files.InputError("--attention_png plots decoding: drop it or --score")
 
 
-def run(o: Options) -> None:
+def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> None:
     """Decodes (or scores) `o.input` into `o.output`, reporting on stderr.
+
+    `on_inputs_checked` runs once flags, workdir and inputs passed their
+    checks, before the parameters are read (`decode.py` reports the platform
+    there, so a user mistake still prints one line).
 
     Raises:
       InputError, WorkdirError, FileNotFoundError, CheckpointIntegrityError:
@@ -99,6 +104,7 @@ def run(o: Options) -> None:
     sources = runner.tokenize_lines(tokenizer, lines, max_source_len, strict=o.strict)
     for warning in reports.input_warnings(num_invalid, sources, max_source_len):
         log(warning)
+    on_inputs_checked()
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average)
     model = build_model(run_config)
     if o.score:
