@@ -265,11 +265,6 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
             "optim.warmup_steps=0, but the rsqrt schedule divides by it: use warmup_steps >= 1 "
             "or another optim.schedule"
         )
-    if data.max_tokens and data.batching != "bucket":
-        raise ConfigError(
-            f"data.max_tokens={data.max_tokens} sizes length buckets, but data.batching="
-            f"{data.batching!r}: set --config.data.batching=bucket or data.max_tokens=0"
-        )
     return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
 
 

@@ -102,10 +102,13 @@ def claim_workdir(
         diffs = shape_differences(old, param_shapes)
         if diffs:
             more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+            before, now = previous.get("model", {}), run_config.get("model", {})
+            fields = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             raise WorkdirError(
                 f"workdir {workdir!r} holds a model with other parameters ("
                 + "; ".join(diffs[:3])
                 + more
+                + (f"; model fields changed: {', '.join(fields)}" if fields else "")
                 + "); use the same model config to resume, or pass a new --workdir"
             )
         return True
