@@ -24,8 +24,6 @@ SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 SPLITS = ("train", "validation", "test")
 
-# The old call site of checkpoints.claim_workdir passes this; parameter shapes replaced it.
-SHAPE_FIELDS = ()
 
 # {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
 # "float32")}.

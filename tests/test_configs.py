@@ -200,18 +200,6 @@ def test_different_d_ff_refused_naming_a_parameter(tmp_path):
     assert "decoder/layer_0/ffn/wi/bias: (512,) float32 there vs (256,) float32 here" in message
 
 
-def test_old_call_site_still_compares_shapes(tmp_path):
-    """claim_workdir(workdir, saved, run_config.SHAPE_FIELDS), as the trainer calls it."""
-    saved = lambda **c: run_config.to_saved_dict(  # noqa: E731
-        with_changes(c), run_config.planned_model_config(with_changes(c))
-    )
-    workdir = str(tmp_path / "w")
-    assert not checkpoints.claim_workdir(workdir, saved(), run_config.SHAPE_FIELDS)
-    assert checkpoints.claim_workdir(workdir, saved(**{"model.dropout_rate": 0.2}), ())
-    with pytest.raises(checkpoints.WorkdirError, match="other parameters"):
-        checkpoints.claim_workdir(workdir, saved(**{"model.num_decoder_layers": 2}), ())
-
-
 def test_list_steps_skips_unfinished_saves(tmp_path):
     assert checkpoints.list_steps(str(tmp_path)) == []
     ckpts = tmp_path / checkpoints.CHECKPOINT_DIR

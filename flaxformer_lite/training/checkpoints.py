@@ -49,8 +49,8 @@ class CheckpointIntegrityError(RuntimeError):
 def claim_workdir(
     workdir: str,
     run_config: dict[str, Any],
-    param_shapes: ParamShapes | tuple = (),
-    saved_param_shapes: Callable[[dict[str, Any]], ParamShapes] | None = None,
+    param_shapes: ParamShapes,
+    saved_param_shapes: Callable[[dict[str, Any]], ParamShapes],
 ) -> bool:
     """Makes sure `workdir` belongs to this run; returns True if it already had a run.
 
@@ -62,10 +62,9 @@ def claim_workdir(
       workdir: directory path (created if missing).
       run_config: JSON-friendly full config (`run_config.to_saved_dict`).
       param_shapes: this run's {parameter path: (shape, dtype name)}
-        (`run_config.param_shapes`); anything else (the tuple of field names that
-        older callers pass): computed from `run_config`.
-      saved_param_shapes: computes those of a saved run config; default
-        `run_config.saved_param_shapes`.
+        (`run_config.param_shapes`).
+      saved_param_shapes: computes those of a saved run config
+        (`run_config.saved_param_shapes`).
     Raises:
       WorkdirError: the path is a file, a non-empty foreign directory, or a
         workdir whose model has other parameters.
@@ -86,12 +85,6 @@ def claim_workdir(
                 raise WorkdirError(
                     f"{marker} is not valid JSON ({e}); restore it or use another --workdir"
                 ) from e
-        if saved_param_shapes is None:
-            from flaxformer_lite import run_config as run_config_lib
-
-            saved_param_shapes = run_config_lib.saved_param_shapes
-        if not isinstance(param_shapes, Mapping):
-            param_shapes = saved_param_shapes(run_config)
         try:
             old = saved_param_shapes(previous)
         except (KeyError, TypeError, ValueError) as e:
