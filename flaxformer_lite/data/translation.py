@@ -15,20 +15,23 @@ corpus is prepared again instead of stale data being reused.
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
-import importlib
 import itertools
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
 
 from flaxformer_lite.data._tfds import SKIPPED_KEY, Log, PairsBuilder, prepare
+from flaxformer_lite.data.catalog import (  # noqa: F401  (re-exported)
+    CatalogError,
+    CatalogPairs,
+    load_catalog,
+)
 from flaxformer_lite.data.common import SPLITS, check_fractions, seeded_split
 
 TSV_SPLITS: tuple[str, ...] = SPLITS
@@ -38,10 +41,6 @@ _WORD = re.compile(r"\w+", re.ASCII)
 
 class CorpusError(ValueError):
     """A local corpus is missing, empty, misaligned, malformed or not valid UTF-8."""
-
-
-class CatalogError(ValueError):
-    """A TFDS catalog dataset cannot be found, downloaded, prepared or read as pairs."""
 
 
 def _read_lines(path: str) -> Iterator[str]:
@@ -105,55 +104,17 @@ class ParallelTextConfig(tfds.core.BuilderConfig):
         splits: Sequence[str] | None = None,
     ) -> None:
         data_dir = os.path.abspath(os.fspath(data_dir))
-        if not os.path.isdir(data_dir):
-            raise CorpusError(
-                f"Corpus directory {data_dir} does not exist; pass the directory that holds the "
-                "{split}.{lang} files"
-            )
-        if not (_WORD.fullmatch(source_lang) and _WORD.fullmatch(target_lang)) or (
-            source_lang == target_lang
-        ):
-            raise ValueError(
-                f"Need two different language codes, got {source_lang!r}, {target_lang!r}"
-            )
+        langs = (source_lang, target_lang)
+        _check_corpus_dir(data_dir, langs)
         names = sorted(os.listdir(data_dir))
         # Errors list what is there, as that usually shows the mistake (a typo, a .txt suffix).
         found = ", ".join(names[:30]) + (f", ... ({len(names)} files)" if len(names) > 30 else "")
         if splits is None:
-            found_splits = []
-            for lang in (source_lang, target_lang):
-                pattern = re.compile(rf"(.+)\.{re.escape(lang)}(\.gz)?")
-                found_splits.append({m.group(1) for m in map(pattern.fullmatch, names) if m})
-            splits = sorted(found_splits[0] & found_splits[1])
-            if not splits:
-                raise CorpusError(
-                    f"No split of {data_dir} has both a .{source_lang} and a .{target_lang} file "
-                    f"(e.g. train.{source_lang} and train.{target_lang}); found: {found or '-'}"
-                )
-        if isinstance(splits, str):
-            raise TypeError(f"splits must be a sequence of names, not the string {splits!r}")
-        splits = tuple(splits)
-        if not splits or len(set(splits)) != len(splits):
-            raise ValueError(f"splits must be non-empty and without duplicates, got {splits}")
-        self.files: dict[str, tuple[str, str]] = {}
-        for split in splits:
-            if not _WORD.fullmatch(split):
-                raise CorpusError(
-                    f"Split name {split!r} must contain only letters, digits and '_' (TFDS puts "
-                    "it in file names); rename its files or pass other splits="
-                )
-            paths = []
-            for lang in (source_lang, target_lang):
-                candidates = [os.path.join(data_dir, f"{split}.{lang}{gz}") for gz in ("", ".gz")]
-                existing = [path for path in candidates if os.path.isfile(path)]
-                if not existing:
-                    raise CorpusError(
-                        f"Split {split!r} has no {lang} file: neither {split}.{lang} nor "
-                        f"{split}.{lang}.gz is in {data_dir}; found: {found or '-'}. Add the "
-                        "file or pass other splits="
-                    )
-                paths.append(existing[0])
-            self.files[split] = (paths[0], paths[1])
+            splits = _discover_splits(data_dir, names, langs, found)
+        splits = _check_split_names(splits)
+        self.files: dict[str, tuple[str, str]] = {
+            split: _split_files(data_dir, split, langs, found) for split in splits
+        }
         fingerprint = _fingerprint([path for pair in self.files.values() for path in pair])
         super().__init__(
             name=f"{_safe_name(os.path.basename(data_dir))}_{source_lang}-{target_lang}_"
@@ -164,6 +125,69 @@ class ParallelTextConfig(tfds.core.BuilderConfig):
         self.source_lang = source_lang
         self.target_lang = target_lang
         self.splits = splits
+
+
+def _check_corpus_dir(data_dir: str, langs: tuple[str, str]) -> None:
+    """Raises unless ``data_dir`` exists and ``langs`` are two different single-word codes."""
+    if not os.path.isdir(data_dir):
+        raise CorpusError(
+            f"Corpus directory {data_dir} does not exist; pass the directory that holds the "
+            "{split}.{lang} files"
+        )
+    source_lang, target_lang = langs
+    if not (_WORD.fullmatch(source_lang) and _WORD.fullmatch(target_lang)) or (
+        source_lang == target_lang
+    ):
+        raise ValueError(f"Need two different language codes, got {source_lang!r}, {target_lang!r}")
+
+
+def _discover_splits(
+    data_dir: str, names: Sequence[str], langs: tuple[str, str], found: str
+) -> list[str]:
+    """The splits ``s`` of ``names`` with both ``s.{lang}`` files, plain or ``.gz``, sorted."""
+    found_splits = []
+    for lang in langs:
+        pattern = re.compile(rf"(.+)\.{re.escape(lang)}(\.gz)?")
+        found_splits.append({m.group(1) for m in map(pattern.fullmatch, names) if m})
+    splits = sorted(found_splits[0] & found_splits[1])
+    if not splits:
+        source_lang, target_lang = langs
+        raise CorpusError(
+            f"No split of {data_dir} has both a .{source_lang} and a .{target_lang} file "
+            f"(e.g. train.{source_lang} and train.{target_lang}); found: {found or '-'}"
+        )
+    return splits
+
+
+def _check_split_names(splits: Sequence[str]) -> tuple[str, ...]:
+    """``splits`` as a non-empty tuple of distinct names."""
+    if isinstance(splits, str):
+        raise TypeError(f"splits must be a sequence of names, not the string {splits!r}")
+    splits = tuple(splits)
+    if not splits or len(set(splits)) != len(splits):
+        raise ValueError(f"splits must be non-empty and without duplicates, got {splits}")
+    return splits
+
+
+def _split_files(data_dir: str, split: str, langs: tuple[str, str], found: str) -> tuple[str, str]:
+    """The (source, target) files of ``split``; the plain file wins over its ``.gz``."""
+    if not _WORD.fullmatch(split):
+        raise CorpusError(
+            f"Split name {split!r} must contain only letters, digits and '_' (TFDS puts "
+            "it in file names); rename its files or pass other splits="
+        )
+    paths = []
+    for lang in langs:
+        candidates = [os.path.join(data_dir, f"{split}.{lang}{gz}") for gz in ("", ".gz")]
+        existing = [path for path in candidates if os.path.isfile(path)]
+        if not existing:
+            raise CorpusError(
+                f"Split {split!r} has no {lang} file: neither {split}.{lang} nor "
+                f"{split}.{lang}.gz is in {data_dir}; found: {found or '-'}. Add the "
+                "file or pass other splits="
+            )
+        paths.append(existing[0])
+    return paths[0], paths[1]
 
 
 def _check_aligned(source_path: str, target_path: str) -> int:
@@ -404,120 +428,3 @@ def load_tsv_pairs(
     )
     builder = PairsTSV(data_dir=os.fspath(tfds_dir), config=config, file_format="array_record")
     return prepare(builder, TSV_SPLITS, log)
-
-
-class CatalogPairs:
-    """Random-access view of a catalog translation split as ``{"source", "target"}`` records.
-
-    Catalog datasets key their text by language code (``{"de": ..., "en": ...}``); this renames
-    ``source_lang`` to "source" and ``target_lang`` to "target" and drops other fields.
-    """
-
-    def __init__(self, records: Sequence[Mapping[str, Any]], source_lang: str, target_lang: str):
-        self._records = records
-        self._langs = (source_lang, target_lang)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def _rename(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        return {"source": record[self._langs[0]], "target": record[self._langs[1]]}
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        """Returns record ``index`` as ``{"source": bytes, "target": bytes}``."""
-        return self._rename(self._records[index])
-
-    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        """Returns the records at ``indices``, read in one batch when the source supports it."""
-        read_batch = getattr(self._records, "__getitems__", None)
-        records = read_batch(indices) if read_batch else [self._records[i] for i in indices]
-        return [self._rename(record) for record in records]
-
-
-def _require_tensorflow(name: str) -> None:
-    """Raises CatalogError unless TensorFlow, which catalog builders prepare with, imports."""
-    try:
-        importlib.import_module("tensorflow")
-    except ImportError as e:
-        raise CatalogError(
-            f"Preparing the TFDS catalog dataset {name!r} needs TensorFlow (TFDS extracts and "
-            "serializes catalog data with it), which is not installed. Install it with "
-            '`pip install -e ".[tf]"`, or use load_parallel_text / load_tsv_pairs for local files'
-        ) from e
-
-
-def load_catalog(
-    name: str,
-    *,
-    source_lang: str,
-    target_lang: str,
-    tfds_dir: str | os.PathLike,
-    splits: Sequence[str] | None = None,
-    download: bool = True,
-) -> dict[str, CatalogPairs]:
-    """Opens a TFDS catalog translation dataset, downloading and preparing it if needed.
-
-    Args:
-        name: catalog name and config, e.g. ``"wmt14_translate/de-en"``.
-        source_lang: feature (language code) used as "source", e.g. ``"de"``.
-        target_lang: feature used as "target", e.g. ``"en"``.
-        tfds_dir: TFDS data directory to look up and prepare the dataset in.
-        splits: splits to open (TFDS slices such as ``"train[:1%]"`` work); default: all.
-        download: download and prepare (as ``array_record``) when not prepared yet.
-
-    Returns:
-        ``{split: CatalogPairs}``: random-access sequences of ``{"source": bytes,
-        "target": bytes}``.
-    """
-    tfds.disable_progress_bar()
-    # TFDS imports its legacy builder packages in one loop that stops at the first ImportError
-    # (e.g. h5py missing), so the translation builders may never be registered; importing
-    # their package registers them. If that fails too, `tfds.builder` reports "not found".
-    with contextlib.suppress(ImportError):
-        importlib.import_module("tensorflow_datasets.translate")
-    try:
-        builder = tfds.builder(name, data_dir=os.fspath(tfds_dir))
-    except ValueError as e:  # Includes DatasetNotFoundError and unknown configs.
-        raise CatalogError(
-            f"No TFDS catalog dataset {name!r} ({str(e).splitlines()[0]}). Pass a name such as "
-            "'wmt14_translate/de-en' (see https://www.tensorflow.org/datasets/catalog)"
-        ) from e
-    features = builder.info.features
-    available = sorted(features.keys()) if hasattr(features, "keys") else []
-    for lang in (source_lang, target_lang):
-        if lang not in available:
-            raise CatalogError(
-                f"{name} has no feature {lang!r}; its features are {available}. Pass "
-                "source_lang and target_lang from these"
-            )
-    if not builder.is_prepared():
-        if not download:
-            raise CatalogError(
-                f"{name} is not prepared in {tfds_dir}; pass download=True (needs network access "
-                "and TensorFlow) or a tfds_dir where it is prepared"
-            )
-        _require_tensorflow(name)
-        try:
-            builder.download_and_prepare(file_format="array_record")
-        except (tfds.download.DownloadError, OSError) as e:  # requests errors are OSErrors.
-            raise CatalogError(
-                f"{name} could not be downloaded and prepared ({type(e).__name__}: {e}). "
-                "Without network access, use load_parallel_text for line-aligned "
-                "{split}.{lang} files or load_tsv_pairs for a tab-separated file of pairs"
-            ) from e
-    if isinstance(splits, str):
-        raise TypeError(f"splits must be a sequence of names, not the string {splits!r}")
-    splits = tuple(builder.info.splits if splits is None else splits)
-    if not splits:
-        raise CatalogError(f"{name} lists no splits in {builder.data_dir}; pass splits=")
-    try:
-        records = {split: builder.as_data_source(split=split) for split in splits}
-    except NotImplementedError as e:  # What TFDS raises for files without random access.
-        fmt = builder.info.file_format
-        raise CatalogError(
-            f"{name} is prepared in {builder.data_dir} as {getattr(fmt, 'value', fmt)} files, "
-            "which cannot be read by random access. Prepare it again with "
-            "download_and_prepare(file_format='array_record') in another tfds_dir (or delete "
-            "that directory and call load_catalog again)"
-        ) from e
-    return {split: CatalogPairs(records[split], source_lang, target_lang) for split in splits}

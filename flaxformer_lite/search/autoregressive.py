@@ -14,6 +14,7 @@ EOS included, and PAD_ID after EOS.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -107,22 +108,20 @@ def sample_search(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature > 0 and rng is None:
         raise ValueError("sampling (temperature > 0) needs an explicit rng key")
-    rows = jnp.arange(batch_size)
+    choose = functools.partial(
+        _choose_tokens,
+        rng=rng,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_len=min_len,
+        eos_id=eos_id,
+    )
 
     def step(carry, i):
         prev, done, cache = carry  # int32[B, 1], bool[B], cache
         logits, cache = tokens_to_logits(prev, cache)  # [B, V]
-        logits = logits.astype(jnp.float32)
-        logits = jnp.where(
-            (i < min_len) & (jnp.arange(logits.shape[-1]) == eos_id), -jnp.inf, logits
-        )
-        if temperature == 0.0:
-            nxt = jnp.argmax(logits, axis=-1)
-        else:
-            filtered = _filter_logits(logits / temperature, top_k, top_p)
-            keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, i), r))(rows)
-            nxt = jax.vmap(jax.random.categorical)(keys, filtered)
-        nxt = jnp.where(done, PAD_ID, nxt.astype(jnp.int32))
+        nxt = jnp.where(done, PAD_ID, choose(logits, i))
         done = done | (nxt == eos_id)
         return (nxt[:, None], done, cache), nxt
 
@@ -135,6 +134,33 @@ def sample_search(
     )
     _, tokens = jax.lax.scan(step, init, jnp.arange(max_len))  # [L, B]
     return tokens.T
+
+
+def _choose_tokens(
+    logits: jax.Array,
+    i: jax.Array,
+    *,
+    rng: jax.Array | None,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_len: int,
+    eos_id: int,
+) -> jax.Array:
+    """int32[B]: the argmax (temperature 0) or a sample of each row of logits [B, V] at step i.
+
+    Row r samples with the step key folded with r, so its draw does not depend on the batch.
+    """
+    logits = logits.astype(jnp.float32)
+    logits = jnp.where((i < min_len) & (jnp.arange(logits.shape[-1]) == eos_id), -jnp.inf, logits)
+    if temperature == 0.0:
+        nxt = jnp.argmax(logits, axis=-1)
+    else:
+        filtered = _filter_logits(logits / temperature, top_k, top_p)
+        rows = jnp.arange(logits.shape[0])
+        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(rng, i), r))(rows)
+        nxt = jax.vmap(jax.random.categorical)(keys, filtered)
+    return nxt.astype(jnp.int32)
 
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Any, **kwargs) -> jax.Array:
@@ -220,11 +246,27 @@ def beam_search(
     """
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
-    b, k, length = batch_size, beam_size, max_len
     if first_tokens is None:
-        first_tokens = jnp.full((b,), bos_id, jnp.int32)
-    # Only beam 0 is live at first: identical beams would fill the top-K with duplicates.
-    init = BeamState(
+        first_tokens = jnp.full((batch_size,), bos_id, jnp.int32)
+    init = _initial_beams(cache, first_tokens, beam_size, max_len)
+    advance = functools.partial(
+        _beam_step,
+        tokens_to_logits,
+        beam_size=beam_size,
+        max_len=max_len,
+        eos_id=eos_id,
+        alpha=alpha,
+        min_len=min_len,
+    )
+    final = _scan_until_done(advance, init, max_len)
+    return _pad_after_eos(final.fin_seqs, eos_id), final.fin_scores
+
+
+def _initial_beams(cache: Any, first_tokens: jax.Array, k: int, length: int) -> BeamState:
+    """The state before the first step; only beam 0 is live, as identical beams would fill
+    the top K with duplicates."""
+    b = first_tokens.shape[0]
+    return BeamState(
         live_seqs=jnp.zeros((b, k, length), jnp.int32),
         live_logp=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
         last=jnp.tile(first_tokens.astype(jnp.int32)[:, None], (1, k)),
@@ -233,58 +275,104 @@ def beam_search(
         fin_scores=jnp.full((b, k), NEG_INF, jnp.float32),
         done=jnp.zeros((b,), jnp.bool_),
     )
-    max_penalty = length_penalty(jnp.asarray(max_len), alpha)
 
-    def advance(state: BeamState, i: jax.Array) -> BeamState:
-        logits, cache = tokens_to_logits(state.last.reshape(b * k, 1), state.cache)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B*K, V]
-        v = logp.shape[-1]
-        logp = logp.reshape(b, k, v)
-        logp = jnp.where((i < min_len) & (jnp.arange(v) == eos_id), NEG_INF, logp)
-        # Top 2K of all K*V continuations in two stages: the global top 2K lies in
-        # the union of each beam's own top 2K, so a [B, K, V] -> [B, K, 2K] pass
-        # and a [B, 2K^2] -> [B, 2K] pass replace one top-k over K*V per row.
-        beam_best, beam_tok = jax.lax.top_k(logp, min(2 * k, v))  # [B, K, 2K]
-        cand = (state.live_logp[:, :, None] + beam_best).reshape(b, -1)  # [B, K*2K]
-        cand_logp, flat = jax.lax.top_k(cand, 2 * k)  # [B, 2K], sorted best first
-        parent = flat // beam_best.shape[-1]  # [B, 2K]
-        token = jnp.take_along_axis(beam_tok.reshape(b, -1), flat, axis=1).astype(jnp.int32)
-        seqs = _gather_beams(state.live_seqs, parent)  # [B, 2K, L]
-        seqs = jax.lax.dynamic_update_slice_in_dim(seqs, token[:, :, None], i, axis=2)
-        is_eos = token == eos_id
-        last_step = i == max_len - 1
 
-        # Finished candidates: EOS ones ranked within the top K (as in fairseq: an EOS
-        # below rank K would not have been a beam; this makes beam 1 exactly greedy),
-        # and at the last step every top-K candidate.
-        in_top_k = jnp.arange(2 * k) < k  # candidates come sorted best first
-        ends = (is_eos | last_step) & in_top_k & (cand_logp > NEG_INF / 2)
-        new_scores = jnp.where(ends, cand_logp / length_penalty(i + 1, alpha), NEG_INF)
-        all_seqs = jnp.concatenate([state.fin_seqs, seqs], axis=1)  # [B, 3K, L]
-        all_scores = jnp.concatenate([state.fin_scores, new_scores], axis=1)
-        fin_scores, keep = jax.lax.top_k(all_scores, k)  # sorted best first
-        fin_seqs = _gather_beams(all_seqs, keep)
+def _top_candidates(
+    logp: jax.Array, state: BeamState, i: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The best 2K of all K*V continuations of the live beams, sorted best first.
 
-        # Live beams: the best K candidates that did not end.
-        live_cand = jnp.where(is_eos, NEG_INF, cand_logp)
-        live_logp, pick = jax.lax.top_k(live_cand, k)  # [B, K]
-        live_seqs = _gather_beams(seqs, pick)
-        last = _gather_beams(token, pick)
-        cache = _gather_cache(cache, _gather_beams(parent, pick), b, k)
+    Args:
+      logp: float32[B, K, V] next-token log-probabilities of each live beam.
+    Returns:
+      (cand_logp float32[B, 2K], parent int[B, 2K], token int32[B, 2K],
+      seqs int32[B, 2K, L]: the parent's tokens with `token` written at step i).
+    """
+    b, k, v = logp.shape
+    # Two stages: the global top 2K lies in the union of each beam's own top 2K, so a
+    # [B, K, V] -> [B, K, 2K] pass and a [B, 2K^2] -> [B, 2K] pass replace one top-k over
+    # K*V per row.
+    beam_best, beam_tok = jax.lax.top_k(logp, min(2 * k, v))  # [B, K, 2K]
+    cand = (state.live_logp[:, :, None] + beam_best).reshape(b, -1)  # [B, K*2K]
+    cand_logp, flat = jax.lax.top_k(cand, 2 * k)  # [B, 2K], sorted best first
+    parent = flat // beam_best.shape[-1]  # [B, 2K]
+    token = jnp.take_along_axis(beam_tok.reshape(b, -1), flat, axis=1).astype(jnp.int32)
+    seqs = _gather_beams(state.live_seqs, parent)  # [B, 2K, L]
+    seqs = jax.lax.dynamic_update_slice_in_dim(seqs, token[:, :, None], i, axis=2)
+    return cand_logp, parent, token, seqs
 
-        # Done when the best live beam, even at its most favourable length, cannot
-        # beat the worst finished hypothesis we keep (log-probs only fall).
-        best_live = live_logp[:, 0] / max_penalty
-        done = state.done | (fin_scores[:, -1] >= best_live) | last_step
-        # Examples already done keep their finished set untouched.
-        keep_old = state.done
-        fin_seqs = jnp.where(keep_old[:, None, None], state.fin_seqs, fin_seqs)
-        fin_scores = jnp.where(keep_old[:, None], state.fin_scores, fin_scores)
-        return BeamState(live_seqs, live_logp, last, cache, fin_seqs, fin_scores, done)
 
-    # Steps run in chunks: a chunk is skipped when every example is done. The
-    # check is per chunk, not per step, because a `lax.cond` hands its whole
-    # operand (the cache) to the branch taken, which costs a copy of it.
+def _merge_finished(
+    state: BeamState,
+    seqs: jax.Array,
+    cand_logp: jax.Array,
+    ends: jax.Array,
+    score_len: jax.Array,
+    alpha: float,
+) -> tuple[jax.Array, jax.Array]:
+    """The best K of the kept finished hypotheses and the candidates that `ends` [B, 2K]."""
+    k = state.fin_scores.shape[1]
+    new_scores = jnp.where(ends, cand_logp / length_penalty(score_len, alpha), NEG_INF)
+    all_seqs = jnp.concatenate([state.fin_seqs, seqs], axis=1)  # [B, 3K, L]
+    all_scores = jnp.concatenate([state.fin_scores, new_scores], axis=1)
+    fin_scores, keep = jax.lax.top_k(all_scores, k)  # sorted best first
+    return _gather_beams(all_seqs, keep), fin_scores
+
+
+def _beam_step(
+    tokens_to_logits: TokensToLogits,
+    state: BeamState,
+    i: jax.Array,
+    *,
+    beam_size: int,
+    max_len: int,
+    eos_id: int,
+    alpha: float,
+    min_len: int,
+) -> BeamState:
+    """One step of `beam_search`: extend, finish the EOS candidates, keep the best K live."""
+    b, k = state.live_logp.shape[0], beam_size
+    logits, cache = tokens_to_logits(state.last.reshape(b * k, 1), state.cache)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B*K, V]
+    v = logp.shape[-1]
+    logp = logp.reshape(b, k, v)
+    logp = jnp.where((i < min_len) & (jnp.arange(v) == eos_id), NEG_INF, logp)
+    cand_logp, parent, token, seqs = _top_candidates(logp, state, i)
+    is_eos = token == eos_id
+    last_step = i == max_len - 1
+
+    # Finished candidates: EOS ones ranked within the top K (as in fairseq: an EOS
+    # below rank K would not have been a beam; this makes beam 1 exactly greedy),
+    # and at the last step every top-K candidate.
+    in_top_k = jnp.arange(2 * k) < k  # candidates come sorted best first
+    ends = (is_eos | last_step) & in_top_k & (cand_logp > NEG_INF / 2)
+    fin_seqs, fin_scores = _merge_finished(state, seqs, cand_logp, ends, i + 1, alpha)
+
+    # Live beams: the best K candidates that did not end.
+    live_cand = jnp.where(is_eos, NEG_INF, cand_logp)
+    live_logp, pick = jax.lax.top_k(live_cand, k)  # [B, K]
+    live_seqs = _gather_beams(seqs, pick)
+    last = _gather_beams(token, pick)
+    cache = _gather_cache(cache, _gather_beams(parent, pick), b, k)
+
+    # Done when the best live beam, even at its most favourable length, cannot
+    # beat the worst finished hypothesis we keep (log-probs only fall).
+    best_live = live_logp[:, 0] / length_penalty(jnp.asarray(max_len), alpha)
+    done = state.done | (fin_scores[:, -1] >= best_live) | last_step
+    # Examples already done keep their finished set untouched.
+    keep_old = state.done
+    fin_seqs = jnp.where(keep_old[:, None, None], state.fin_seqs, fin_seqs)
+    fin_scores = jnp.where(keep_old[:, None], state.fin_scores, fin_scores)
+    return BeamState(live_seqs, live_logp, last, cache, fin_seqs, fin_scores, done)
+
+
+def _scan_until_done(advance, init: BeamState, max_len: int) -> BeamState:
+    """`advance(state, i)` for i in [0, max_len), skipping the rest once every example is done.
+
+    Steps run in chunks: a chunk is skipped when every example is done. The
+    check is per chunk, not per step, because a `lax.cond` hands its whole
+    operand (the cache) to the branch taken, which costs a copy of it.
+    """
     chunk = max(c for c in range(1, SKIP_CHUNK + 1) if max_len % c == 0)
 
     def run_chunk(state: BeamState, steps: jax.Array) -> BeamState:
@@ -294,7 +382,10 @@ def beam_search(
         return jax.lax.cond(jnp.all(state.done), lambda s, _: s, run_chunk, state, steps), None
 
     final, _ = jax.lax.scan(outer, init, jnp.arange(max_len).reshape(-1, chunk))
-    # Tokens after EOS are PAD: keep what search wrote up to and including EOS.
-    seqs = final.fin_seqs
+    return final
+
+
+def _pad_after_eos(seqs: jax.Array, eos_id: int) -> jax.Array:
+    """Tokens after EOS are PAD: keeps what search wrote up to and including EOS."""
     after_eos = jnp.cumsum(jnp.cumsum(seqs == eos_id, axis=-1), axis=-1) > 1
-    return jnp.where(after_eos, PAD_ID, seqs), final.fin_scores
+    return jnp.where(after_eos, PAD_ID, seqs)

@@ -17,15 +17,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import BOS_ID, EOS_ID
-from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
+from flaxformer_lite.tools.decode_benchmark import decode_benchmark, decoder_step_bytes
+from flaxformer_lite.tools.timing import _timed
+
+__all__ = [
+    "BASELINES",
+    "compare_train_benchmark",
+    "decode_benchmark",
+    "decoder_step_bytes",
+    "matmul_peak",
+    "train_benchmark",
+    "train_flops_per_step",
+]
 
 BOS, EOS = BOS_ID, EOS_ID
 
@@ -55,120 +65,6 @@ def train_flops_per_step(
     dec = 2 * t * (6 * d * i + 2 * d * f) + 4 * s * d * i + 4 * t * t * i + 4 * t * s * i
     forward = config.num_encoder_layers * enc + config.num_decoder_layers * dec + 2 * t * d * v
     return 3.0 * batch * forward
-
-
-def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
-    """(median seconds, all samples) of `fn()` after one warm-up call."""
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), samples
-
-
-def _compile_seconds(jitted, *args, **kwargs) -> float:
-    t0 = time.perf_counter()
-    jitted.lower(*args, **kwargs).compile()
-    return time.perf_counter() - t0
-
-
-def decoder_step_bytes(params, config: TransformerConfig) -> int:
-    """Bytes of parameters one cached decode step reads.
-
-    Every decoder-layer weight except the cross-attention K/V projection
-    (applied once per source, not per step), plus the output projection.
-    """
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params["decoder"])[0]:
-        keys = [getattr(k, "key", "") for k in path]
-        if "kv_kernel" in keys or "kv_bias" in keys:
-            continue
-        total += leaf.size * leaf.dtype.itemsize
-    if config.tie_output_embedding:
-        table = params["shared_embedding" if config.share_embeddings else "target_embedding"]
-        total += table["embedding"].size * table["embedding"].dtype.itemsize
-    return total
-
-
-def decode_benchmark(
-    config: TransformerConfig,
-    *,
-    batch: int = 16,
-    source_len: int = 64,
-    new_tokens: int = 64,
-    beam_size: int = 4,
-    repeats: int = 3,
-    prefix_lens: tuple[int, ...] = (16, 256),
-    uncached: bool = True,
-    log: Callable[[str], None] = print,
-) -> dict[str, float]:
-    """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length."""
-    model = AutoregressiveModel(config)
-    rng = np.random.default_rng(0)
-    inputs = jnp.asarray(rng.integers(4, config.vocab_size, (batch, source_len)), jnp.int32)
-    shapes = {"inputs": (1, source_len), "targets": (1, 8)}
-    params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
-    results: dict[str, float] = {}
-
-    def search(method: str, **kw):
-        cfg = predict.SearchConfig(method, new_tokens, min_len=new_tokens, **kw)
-        return jax.jit(lambda params, inputs: model.predict(params, {"inputs": inputs}, cfg))
-
-    runs = [("greedy", search("greedy")), (f"beam{beam_size}", search("beam", beam_size=beam_size))]
-    if uncached:
-        runs.append(("greedy_uncached", search("greedy", cached=False)))
-    for name, fn in runs:
-        results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
-        seconds, _ = _timed(
-            lambda fn=fn: fn(params, inputs), 1 if name.endswith("uncached") else repeats
-        )
-        results[f"{name}_s"] = seconds
-        results[f"{name}_tokens_per_s"] = batch * new_tokens / seconds
-        log(
-            f"{name:>16}: {seconds:8.3f} s  {batch * new_tokens / seconds:9.1f} tokens/s  "
-            f"(compile {results[f'{name}_compile_s']:.1f} s)"
-        )
-    if uncached:
-        results["cached_speedup"] = results["greedy_uncached_s"] / results["greedy_s"]
-    results[f"beam{beam_size}_over_greedy"] = results[f"beam{beam_size}_s"] / results["greedy_s"]
-
-    # One decode step at different prefix lengths, in one cache of fixed capacity.
-    capacity = max(prefix_lens) + new_tokens
-    tokens_to_logits, empty_cache, _ = predict.cached_step(
-        model.module, params, inputs, max_len=capacity, bos_id=BOS
-    )
-    # The cache is donated, as in the search loop, so a step writes it in place
-    # instead of copying every layer's [B, L, N, H] keys and values.
-    one_step = jax.jit(tokens_to_logits, donate_argnums=1)
-
-    step_bytes = decoder_step_bytes(params, config)
-    tokens = jnp.full((batch, 1), 5, jnp.int32)
-    for p in prefix_lens:
-        state = {"cache": jax.tree.map(jnp.copy, empty_cache)}
-
-        def run(p=p, state=state):
-            cache = dict(state["cache"], index=jnp.int32(p))  # always at prefix length p
-            logits, state["cache"] = one_step(tokens, cache)
-            return logits
-
-        seconds, _ = _timed(run, max(repeats, 10))
-        results[f"step_ms_prefix{p}"] = seconds * 1e3
-        results[f"weights_gb_per_s_prefix{p}"] = step_bytes / seconds / 1e9
-        log(
-            f"step at prefix {p:>4}: {seconds * 1e3:7.2f} ms   weights {step_bytes / 1e6:.1f} MB "
-            f"-> {step_bytes / seconds / 1e9:.2f} GB/s"
-        )
-    results["step_weight_bytes"] = float(step_bytes)
-    # The search's own per-step cost, from the greedy run.
-    greedy_step = results["greedy_s"] / new_tokens
-    results["greedy_weights_gb_per_s"] = step_bytes / greedy_step / 1e9
-    log(
-        f"greedy search: {greedy_step * 1e3:.2f} ms/step -> "
-        f"{results['greedy_weights_gb_per_s']:.2f} GB/s of weights"
-    )
-    return results
 
 
 def _random_batch(
@@ -330,16 +226,60 @@ def compare_train_benchmark(
     theirs = torch_baseline.TrainStep(
         config, label_smoothing=0.1, bos_id=BOS, device=device, compile=baseline == "torch_compile"
     )
-    torch_batch = theirs.to_device(arrays)
     results["torch_params"] = float(torch_baseline.num_params(theirs.model))
     results["torch_fused_adam"] = theirs.fused_adam
+    rounds = _alternate_steps(run, theirs, theirs.to_device(arrays), repeats, warmup)
+    results["torch_warmup_s"] = rounds.pop("torch_warmup_s")
+
+    flops = train_flops_per_step(config, batch, source_len, target_len)
+    peak = peak_flops or matmul_peak()
+    seconds = statistics.median(rounds["step_samples_s"])
+    torch_seconds = statistics.median(rounds["torch_step_samples_s"])
+    results.update(
+        _paired_figures(seconds, torch_seconds, flops, peak, batch, source_len, target_len),
+        **rounds,
+    )
+    _log_comparison(results, baseline, repeats, warmup, flops, peak, device, log)
+    return results
+
+
+def _paired_figures(
+    seconds: float,
+    torch_seconds: float,
+    flops: float,
+    peak: float,
+    batch: int,
+    source_len: int,
+    target_len: int,
+) -> dict[str, float]:
+    """Our step's figures, the same prefixed `torch_` for the baseline, and their ratio."""
+    theirs = _throughput(torch_seconds, flops, peak, batch, source_len, target_len)
+    return dict(
+        step_s=seconds,
+        flops_per_step=flops,
+        matmul_peak_flops_per_s=peak,
+        **_throughput(seconds, flops, peak, batch, source_len, target_len),
+        torch_step_s=torch_seconds,
+        **{f"torch_{k}": v for k, v in theirs.items()},
+        torch_over_ours=torch_seconds / seconds,
+    )
+
+
+def _alternate_steps(
+    run: Callable[[], dict[str, jax.Array]], theirs, torch_batch, repeats: int, warmup: int
+) -> dict[str, Any]:
+    """Warms both steps up, then times `repeats` rounds of one step of ours and one of torch's.
+
+    Returns:
+      {step_samples_s, torch_step_samples_s, losses, torch_losses, torch_warmup_s}.
+    """
 
     def mean_loss(sums) -> float:
         return float(sums["loss"]) / max(float(sums["tokens"]), 1.0)
 
     t0 = time.perf_counter()
     torch_losses = [theirs(torch_batch) for _ in range(warmup)]
-    results["torch_warmup_s"] = time.perf_counter() - t0
+    torch_warmup_s = time.perf_counter() - t0
     losses = [mean_loss(jax.block_until_ready(run())) for _ in range(warmup)]
     ours_s, torch_s = [], []
     for _ in range(repeats):
@@ -351,28 +291,26 @@ def compare_train_benchmark(
         ours_s.append(t1 - t0)
         torch_s.append(t2 - t1)
         losses.append(mean_loss(sums))
+    return {
+        "step_samples_s": ours_s,
+        "torch_step_samples_s": torch_s,
+        "losses": losses,
+        "torch_losses": torch_losses,
+        "torch_warmup_s": torch_warmup_s,
+    }
 
-    flops = train_flops_per_step(config, batch, source_len, target_len)
-    peak = peak_flops or matmul_peak()
-    seconds, torch_seconds = statistics.median(ours_s), statistics.median(torch_s)
-    results.update(
-        step_s=seconds,
-        flops_per_step=flops,
-        matmul_peak_flops_per_s=peak,
-        **_throughput(seconds, flops, peak, batch, source_len, target_len),
-        torch_step_s=torch_seconds,
-        **{
-            f"torch_{k}": v
-            for k, v in _throughput(
-                torch_seconds, flops, peak, batch, source_len, target_len
-            ).items()
-        },
-        torch_over_ours=torch_seconds / seconds,
-        step_samples_s=ours_s,
-        torch_step_samples_s=torch_s,
-        losses=losses,
-        torch_losses=torch_losses,
-    )
+
+def _log_comparison(
+    results: dict[str, Any],
+    baseline: str,
+    repeats: int,
+    warmup: int,
+    flops: float,
+    peak: float,
+    device: str,
+    log: Callable[[str], None],
+) -> None:
+    """Logs a table of both steps' figures, their ratio and the setup behind them."""
     name = {"torch": "torch eager", "torch_compile": "torch.compile"}[baseline]
     log(f"{'':16}{'step median':>12}{'tokens/s':>10}{'GFLOP/s':>9}{'MFU':>7}{'params':>9}")
     for label, prefix in (("flaxformer_lite", ""), (name, "torch_")):

@@ -192,62 +192,73 @@ def load_flax_params(model: Seq2Seq, params: dict[str, Any]) -> None:
     Torch's extra post-LN final LayerNorms (see the module docstring) are left
     as they are. Used to check that both compute the same function.
     """
-    d = model.config.d_model
-    t = lambda a: torch.from_numpy(np.asarray(a, np.float32).copy())  # noqa: E731
-
-    def attention(mha, p):
-        if "qkv_kernel" in p:
-            kernel = np.asarray(p["qkv_kernel"]).reshape(d, 3 * d)  # [D, 3*N*H]
-            bias = np.asarray(p["qkv_bias"]).reshape(3 * d)
-        else:
-            kernel = np.concatenate(
-                [
-                    np.asarray(p["q_kernel"]).reshape(d, d),
-                    np.asarray(p["kv_kernel"]).reshape(d, 2 * d),
-                ],
-                axis=1,
-            )
-            bias = np.concatenate(
-                [np.asarray(p["q_bias"]).reshape(d), np.asarray(p["kv_bias"]).reshape(2 * d)]
-            )
-        mha.in_proj_weight.copy_(t(kernel.T))  # [3D, D], rows q | k | v, head-major
-        mha.in_proj_bias.copy_(t(bias))
-        mha.out_proj.weight.copy_(t(np.asarray(p["out_kernel"]).reshape(d, d).T))
-        mha.out_proj.bias.copy_(t(p["out_bias"]))
-
-    def norm(ln, p):
-        ln.weight.copy_(t(p["scale"]))
-        ln.bias.copy_(t(p["bias"]))
-
-    def ffn(layer, p):
-        layer.linear1.weight.copy_(t(np.asarray(p["wi"]["kernel"]).T))
-        layer.linear1.bias.copy_(t(p["wi"]["bias"]))
-        layer.linear2.weight.copy_(t(np.asarray(p["wo"]["kernel"]).T))
-        layer.linear2.bias.copy_(t(p["wo"]["bias"]))
-
     with torch.no_grad():
-        model.embedding.weight.copy_(t(params["shared_embedding"]["embedding"]))
+        model.embedding.weight.copy_(_tensor(params["shared_embedding"]["embedding"]))
         for side, stack in (
             ("encoder", model.transformer.encoder),
             ("decoder", model.transformer.decoder),
         ):
-            ours = params[side]
-            for i, layer in enumerate(stack.layers):
-                p = ours[f"layer_{i}"]
-                attention(layer.self_attn, p["self_attention"])
-                norm(layer.norm1, p["self_attention_residual"]["norm"])
-                ffn(layer, p["ffn"])
-                if side == "encoder":
-                    norm(layer.norm2, p["ffn_residual"]["norm"])
-                else:
-                    attention(layer.multihead_attn, p["cross_attention"])
-                    norm(layer.norm2, p["cross_attention_residual"]["norm"])
-                    norm(layer.norm3, p["ffn_residual"]["norm"])
-            if "final_norm" in ours:
-                norm(stack.norm, ours["final_norm"])
-            if model.config.positions == "learned":
-                table = model.source_positions if side == "encoder" else model.target_positions
-                table.copy_(t(ours["positions"]["pos_embedding"]))
+            _copy_stack(model, side, stack, params[side])
+
+
+def _tensor(a) -> torch.Tensor:
+    """A float32 torch copy of a numpy or JAX array."""
+    return torch.from_numpy(np.asarray(a, np.float32).copy())
+
+
+def _copy_stack(model: Seq2Seq, side: str, stack, ours: dict[str, Any]) -> None:
+    """Our encoder or decoder (`side`) into torch's layer `stack` and its position table."""
+    d = model.config.d_model
+    for i, layer in enumerate(stack.layers):
+        p = ours[f"layer_{i}"]
+        _copy_attention(layer.self_attn, p["self_attention"], d)
+        _copy_norm(layer.norm1, p["self_attention_residual"]["norm"])
+        _copy_ffn(layer, p["ffn"])
+        if side == "encoder":
+            _copy_norm(layer.norm2, p["ffn_residual"]["norm"])
+        else:
+            _copy_attention(layer.multihead_attn, p["cross_attention"], d)
+            _copy_norm(layer.norm2, p["cross_attention_residual"]["norm"])
+            _copy_norm(layer.norm3, p["ffn_residual"]["norm"])
+    if "final_norm" in ours:
+        _copy_norm(stack.norm, ours["final_norm"])
+    if model.config.positions == "learned":
+        table = model.source_positions if side == "encoder" else model.target_positions
+        table.copy_(_tensor(ours["positions"]["pos_embedding"]))
+
+
+def _copy_attention(mha, p: dict[str, Any], d: int) -> None:
+    """Our fused (self) or split q / kv (cross) projections into torch's `in_proj`."""
+    if "qkv_kernel" in p:
+        kernel = np.asarray(p["qkv_kernel"]).reshape(d, 3 * d)  # [D, 3*N*H]
+        bias = np.asarray(p["qkv_bias"]).reshape(3 * d)
+    else:
+        kernel = np.concatenate(
+            [
+                np.asarray(p["q_kernel"]).reshape(d, d),
+                np.asarray(p["kv_kernel"]).reshape(d, 2 * d),
+            ],
+            axis=1,
+        )
+        bias = np.concatenate(
+            [np.asarray(p["q_bias"]).reshape(d), np.asarray(p["kv_bias"]).reshape(2 * d)]
+        )
+    mha.in_proj_weight.copy_(_tensor(kernel.T))  # [3D, D], rows q | k | v, head-major
+    mha.in_proj_bias.copy_(_tensor(bias))
+    mha.out_proj.weight.copy_(_tensor(np.asarray(p["out_kernel"]).reshape(d, d).T))
+    mha.out_proj.bias.copy_(_tensor(p["out_bias"]))
+
+
+def _copy_norm(ln, p: dict[str, Any]) -> None:
+    ln.weight.copy_(_tensor(p["scale"]))
+    ln.bias.copy_(_tensor(p["bias"]))
+
+
+def _copy_ffn(layer, p: dict[str, Any]) -> None:
+    layer.linear1.weight.copy_(_tensor(np.asarray(p["wi"]["kernel"]).T))
+    layer.linear1.bias.copy_(_tensor(p["wi"]["bias"]))
+    layer.linear2.weight.copy_(_tensor(np.asarray(p["wo"]["kernel"]).T))
+    layer.linear2.bias.copy_(_tensor(p["wo"]["bias"]))
 
 
 class TrainStep:

@@ -1,0 +1,96 @@
+"""A split tokenized once: ids + EOS per example, truncated keeping EOS last.
+
+The batch plans of :mod:`flaxformer_lite.data.batching` gather their rows from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str
+from flaxformer_lite.data.tokenizer import Vocabularies, with_eos
+
+
+class Encoder(Protocol):
+    """Anything with ``encode(text) -> ids`` (no EOS), e.g. :class:`~.tokenizer.Tokenizer`."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokenized:
+    """A split tokenized once: ids + EOS per example, truncated keeping EOS last.
+
+    ``sources[i]`` is ``int32[source_lengths[i]]``, a view into ``source_ids`` (``int32``, all
+    sources concatenated, example ``i`` at ``source_offsets[i]``, ``int64[n]``): batches gather
+    from the flat array in a few vectorized operations instead of one copy per example.
+    ``source_lengths`` is ``int32[n]``, EOS included, at most ``max_source_len``;
+    ``num_sources_truncated`` counts the examples cut to that length. Likewise for targets.
+    """
+
+    sources: list[np.ndarray]
+    targets: list[np.ndarray]
+    source_ids: np.ndarray
+    target_ids: np.ndarray
+    source_offsets: np.ndarray
+    target_offsets: np.ndarray
+    source_lengths: np.ndarray
+    target_lengths: np.ndarray
+    max_source_len: int
+    max_target_len: int
+    num_sources_truncated: int
+    num_targets_truncated: int
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def tokenize_split(
+    source: Sequence[Mapping[str, Any]],
+    tokenizer: Encoder | Vocabularies,
+    *,
+    max_source_len: int,
+    max_target_len: int,
+) -> Tokenized:
+    """Tokenizes every example of ``source`` once (ids + EOS, truncated keeping EOS last).
+
+    ``tokenizer`` encodes both sides, or a :class:`Vocabularies` pair each its own side.
+
+    Strings are encoded one at a time: SentencePiece's list API starts a thread pool per call,
+    which is slower for short sentences. Multi30k train (29,000 pairs) takes about 0.5 s.
+    """
+    if min(max_source_len, max_target_len) < 1:
+        raise ValueError(
+            f"tokenize_split needs max lengths >= 1, got {max_source_len}, {max_target_len}"
+        )
+    limits = (max_source_len, max_target_len)
+    if isinstance(tokenizer, Vocabularies):
+        encoders = (tokenizer.source, tokenizer.target)
+    else:
+        encoders = (tokenizer, tokenizer)
+    pieces: tuple[list[list[int]], list[list[int]]] = ([], [])
+    truncated = [0, 0]
+    for i in range(len(source)):
+        example = source[i]  # read once: a TFDS data source decodes a record per access
+        for side, field in enumerate((SOURCE_FIELD, TARGET_FIELD)):
+            ids, cut = with_eos(encoders[side].encode(as_str(example[field])), limits[side])
+            truncated[side] += cut
+            pieces[side].append(ids)
+    arrays = []
+    for side_pieces in pieces:
+        lengths = np.fromiter(map(len, side_pieces), np.int32, len(side_pieces))
+        flat = np.fromiter(itertools.chain.from_iterable(side_pieces), np.int32, int(lengths.sum()))
+        offsets = np.cumsum(lengths, dtype=np.int64) - lengths
+        views = np.split(flat, offsets[1:]) if len(side_pieces) else []
+        arrays.append((views, flat, offsets, lengths))
+    (sources, source_ids, source_offsets, source_lengths) = arrays[0]
+    (targets, target_ids, target_offsets, target_lengths) = arrays[1]
+    return Tokenized(
+        sources, targets, source_ids, target_ids, source_offsets, target_offsets,
+        source_lengths, target_lengths, max_source_len, max_target_len, *truncated,
+    )  # fmt: skip

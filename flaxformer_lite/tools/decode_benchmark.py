@@ -1,0 +1,165 @@
+"""Decoding benchmark: whole-search tokens/s and the cost of one cached step by prefix length.
+
+Parameters are random (speed does not depend on their values), and EOS is forbidden so every
+search runs all its steps. Timings are as in :mod:`flaxformer_lite.tools.timing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.constants import BOS_ID
+from flaxformer_lite.models import predict
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
+from flaxformer_lite.tools.timing import _compile_seconds, _timed
+
+BOS = BOS_ID
+
+
+def decoder_step_bytes(params, config: TransformerConfig) -> int:
+    """Bytes of parameters one cached decode step reads.
+
+    Every decoder-layer weight except the cross-attention K/V projection
+    (applied once per source, not per step), plus the output projection.
+    """
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params["decoder"])[0]:
+        keys = [getattr(k, "key", "") for k in path]
+        if "kv_kernel" in keys or "kv_bias" in keys:
+            continue
+        total += leaf.size * leaf.dtype.itemsize
+    if config.tie_output_embedding:
+        table = params["shared_embedding" if config.share_embeddings else "target_embedding"]
+        total += table["embedding"].size * table["embedding"].dtype.itemsize
+    return total
+
+
+def decode_benchmark(
+    config: TransformerConfig,
+    *,
+    batch: int = 16,
+    source_len: int = 64,
+    new_tokens: int = 64,
+    beam_size: int = 4,
+    repeats: int = 3,
+    prefix_lens: tuple[int, ...] = (16, 256),
+    uncached: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length."""
+    model = AutoregressiveModel(config)
+    rng = np.random.default_rng(0)
+    inputs = jnp.asarray(rng.integers(4, config.vocab_size, (batch, source_len)), jnp.int32)
+    shapes = {"inputs": (1, source_len), "targets": (1, 8)}
+    params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
+    results = _search_timings(
+        model, params, inputs, new_tokens=new_tokens, beam_size=beam_size, repeats=repeats,
+        uncached=uncached, log=log,
+    )  # fmt: skip
+    step_bytes = decoder_step_bytes(params, config)
+    results.update(
+        _prefix_step_timings(
+            model,
+            params,
+            inputs,
+            step_bytes,
+            new_tokens=new_tokens,
+            repeats=repeats,
+            prefix_lens=prefix_lens,
+            log=log,
+        )  # fmt: skip
+    )
+    results["step_weight_bytes"] = float(step_bytes)
+    # The search's own per-step cost, from the greedy run.
+    greedy_step = results["greedy_s"] / new_tokens
+    results["greedy_weights_gb_per_s"] = step_bytes / greedy_step / 1e9
+    log(
+        f"greedy search: {greedy_step * 1e3:.2f} ms/step -> "
+        f"{results['greedy_weights_gb_per_s']:.2f} GB/s of weights"
+    )
+    return results
+
+
+def _search_timings(
+    model: AutoregressiveModel,
+    params,
+    inputs: jax.Array,
+    *,
+    new_tokens: int,
+    beam_size: int,
+    repeats: int,
+    uncached: bool,
+    log: Callable[[str], None],
+) -> dict[str, float]:
+    """Compile seconds, seconds and tokens/s of whole greedy, beam (and uncached) searches."""
+    batch = inputs.shape[0]
+    results: dict[str, float] = {}
+
+    def search(method: str, **kw):
+        cfg = predict.SearchConfig(method, new_tokens, min_len=new_tokens, **kw)
+        return jax.jit(lambda params, inputs: model.predict(params, {"inputs": inputs}, cfg))
+
+    runs = [("greedy", search("greedy")), (f"beam{beam_size}", search("beam", beam_size=beam_size))]
+    if uncached:
+        runs.append(("greedy_uncached", search("greedy", cached=False)))
+    for name, fn in runs:
+        results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
+        seconds, _ = _timed(
+            lambda fn=fn: fn(params, inputs), 1 if name.endswith("uncached") else repeats
+        )
+        results[f"{name}_s"] = seconds
+        results[f"{name}_tokens_per_s"] = batch * new_tokens / seconds
+        log(
+            f"{name:>16}: {seconds:8.3f} s  {batch * new_tokens / seconds:9.1f} tokens/s  "
+            f"(compile {results[f'{name}_compile_s']:.1f} s)"
+        )
+    if uncached:
+        results["cached_speedup"] = results["greedy_uncached_s"] / results["greedy_s"]
+    results[f"beam{beam_size}_over_greedy"] = results[f"beam{beam_size}_s"] / results["greedy_s"]
+    return results
+
+
+def _prefix_step_timings(
+    model: AutoregressiveModel,
+    params,
+    inputs: jax.Array,
+    step_bytes: int,
+    *,
+    new_tokens: int,
+    repeats: int,
+    prefix_lens: tuple[int, ...],
+    log: Callable[[str], None],
+) -> dict[str, float]:
+    """One decode step at each prefix length, in one cache of fixed capacity: ms and the
+    GB/s of the `step_bytes` of weights it reads."""
+    capacity = max(prefix_lens) + new_tokens
+    tokens_to_logits, empty_cache, _ = predict.cached_step(
+        model.module, params, inputs, max_len=capacity, bos_id=BOS
+    )
+    # The cache is donated, as in the search loop, so a step writes it in place
+    # instead of copying every layer's [B, L, N, H] keys and values.
+    one_step = jax.jit(tokens_to_logits, donate_argnums=1)
+    tokens = jnp.full((inputs.shape[0], 1), 5, jnp.int32)
+    results: dict[str, float] = {}
+    for p in prefix_lens:
+        state = {"cache": jax.tree.map(jnp.copy, empty_cache)}
+
+        def run(p=p, state=state):
+            cache = dict(state["cache"], index=jnp.int32(p))  # always at prefix length p
+            logits, state["cache"] = one_step(tokens, cache)
+            return logits
+
+        seconds, _ = _timed(run, max(repeats, 10))
+        results[f"step_ms_prefix{p}"] = seconds * 1e3
+        results[f"weights_gb_per_s_prefix{p}"] = step_bytes / seconds / 1e9
+        log(
+            f"step at prefix {p:>4}: {seconds * 1e3:7.2f} ms   weights {step_bytes / 1e6:.1f} MB "
+            f"-> {step_bytes / seconds / 1e9:.2f} GB/s"
+        )
+    return results
