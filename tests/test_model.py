@@ -332,7 +332,7 @@ def test_attention_weights_on_every_path_inside_a_jitted_train_step():
                 return jnp.sum(logits**2), state["intermediates"]
 
             grads, sown = jax.grad(loss, has_aux=True)(p)
-            from flaxformer_lite.models.transformer import captured_attention
+            from flaxformer_lite.models.capture import captured_attention
 
             return grads, captured_attention(sown, LAYERS, cfg)
 
