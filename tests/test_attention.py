@@ -7,7 +7,7 @@ import pytest
 from flax import linen as nn
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.nn import attention
+from flaxformer_lite.nn import attention, masks
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -53,7 +53,7 @@ def _source_tokens():
 @pytest.mark.parametrize("masked", [False, True])
 def test_vmapped_core_matches_float64_reference(masked):
     q, k, v = _qkv(0)
-    mask = attention.cross_mask(jnp.ones((2, 5), jnp.int32), _source_tokens()) if masked else None
+    mask = masks.cross_mask(_source_tokens() != 0, 5) if masked else None
     out, weights = attention.batched_attention(q, k, v, mask)
     ref_out, ref_w = reference_attention(q, k, v, None if mask is None else np.asarray(mask))
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
@@ -65,7 +65,7 @@ def test_vmapped_core_matches_float64_reference(masked):
 @pytest.mark.parametrize("masked", [False, True])
 def test_fast_path_matches_reference(masked):
     q, k, v = _qkv(1, t=7)
-    mask = attention.decoder_self_mask(_source_tokens()) if masked else None
+    mask = masks.decoder_mask(_source_tokens() != 0) if masked else None
     out = attention.fast_attention(q, k, v, mask)
     ref_out, _ = reference_attention(q, k, v, None if mask is None else np.asarray(mask))
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
@@ -83,7 +83,7 @@ def test_single_head_core_is_the_formula():
 def test_causal_weights_exactly_zero_above_diagonal_and_rows_sum_to_one():
     q, k, v = _qkv(3, t=6, s=6)
     tokens = jnp.full((2, 6), 9)
-    _, w = attention.batched_attention(q * 3.0, k, v, attention.decoder_self_mask(tokens))
+    _, w = attention.batched_attention(q * 3.0, k, v, masks.decoder_mask(tokens != 0))
     w = np.asarray(w)
     upper = np.triu(np.ones((6, 6), bool), k=1)
     assert np.all(w[..., upper] == 0.0)
@@ -91,15 +91,15 @@ def test_causal_weights_exactly_zero_above_diagonal_and_rows_sum_to_one():
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
 
 
-def test_mask_helpers():
+def test_masks_from_validity():
     dec = jnp.array([[2, 5, 6, 0]])
     enc = jnp.array([[7, 0, 0]])
-    np.testing.assert_array_equal(attention.causal_mask(3), np.tril(np.ones((3, 3), bool)))
-    self_mask = np.asarray(attention.decoder_self_mask(dec))[0]
+    np.testing.assert_array_equal(masks.causal_mask(3), np.tril(np.ones((3, 3), bool)))
+    self_mask = np.asarray(masks.decoder_mask(dec != 0))[0]
     expected = np.tril(np.ones((4, 4), bool))
     expected[:, 3] = False  # pad key column
     np.testing.assert_array_equal(self_mask, expected)
-    cross = np.asarray(attention.cross_mask(dec, enc))
+    cross = np.asarray(masks.cross_mask(enc != 0, dec.shape[1]))
     assert cross.shape == (1, 4, 3)  # N_dec x N_enc
     np.testing.assert_array_equal(cross[0], np.array([[True, False, False]] * 4))
 
@@ -117,14 +117,14 @@ def test_multihead_module_output_projection_and_d_kv(self_attention):
     with d_kv = 5 != d_model / num_heads = 4."""
     d, n, h = 12, 3, 5
     cfg = TransformerConfig(vocab_size=10, d_model=d, num_heads=n, d_kv=h, d_ff=8, dropout_rate=0.0)
-    mha = attention.MultiHeadAttention(cfg, self_attention=self_attention)
+    mha = attention.MultiHeadAttention(cfg, self_attention=self_attention, capture=True)
     rng = np.random.default_rng(4)
     t, s = 4, (4 if self_attention else 6)
     x = jnp.asarray(rng.normal(size=(2, t, d)), jnp.float32)
     y = None if self_attention else jnp.asarray(rng.normal(size=(2, s, d)), jnp.float32)
     keys = jnp.array([[5, 6, 7, 0, 0, 0][:s], [4] * s])  # row 0 has padded key columns
-    mask = attention.padding_mask(jnp.ones((2, t)), keys)
-    init = mha.init(jax.random.PRNGKey(0), x, y, mask, deterministic=True)["params"]
+    mask = masks.padding_mask(keys != 0, t)
+    init = mha.init(jax.random.PRNGKey(0), x, mask, deterministic=True, inputs_kv=y)["params"]
     params = _random_params(nn.meta.unbox(init), 5)
     shapes = {k: v.shape for k, v in params.items()}
     if self_attention:
@@ -132,8 +132,11 @@ def test_multihead_module_output_projection_and_d_kv(self_attention):
     else:
         assert shapes["q_kernel"] == (d, n, h) and shapes["kv_kernel"] == (d, 2, n, h)
     assert shapes["out_kernel"] == (n, h, d)
-    out, weights, cache = mha.apply({"params": params}, x, y, mask, deterministic=True)
+    (out, cache), sown = mha.apply(
+        {"params": params}, x, mask, deterministic=True, inputs_kv=y, mutable="intermediates"
+    )
     assert cache is None
+    weights = sown["intermediates"]["attention_weights"][0]
 
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     xq = np.asarray(x, np.float64)
@@ -168,7 +171,7 @@ def test_fast_and_vmap_gradients_agree_with_masked_key_columns():
     parameters, with whole key columns masked (their k, v gradients exactly 0)."""
     q, k, v = _qkv(6, t=7)
     tokens = _source_tokens()  # row 0: columns 4..6 are padding
-    mask = attention.decoder_self_mask(tokens)
+    mask = masks.decoder_mask(tokens != 0)
     cot = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
 
     def loss_vmap(q, k, v):
@@ -191,12 +194,12 @@ def test_fast_and_vmap_gradients_agree_with_masked_key_columns():
         impl: attention.MultiHeadAttention(cfg.replace(attention_impl=impl), True)
         for impl in ("vmap", "fast")
     }
-    init = mods["vmap"].init(jax.random.PRNGKey(0), x, None, mask, deterministic=True)["params"]
+    init = mods["vmap"].init(jax.random.PRNGKey(0), x, mask, deterministic=True)["params"]
     params = _random_params(nn.meta.unbox(init), 9)
 
     def module_loss(impl):
         def f(params, x):
-            out = mods[impl].apply({"params": params}, x, None, mask, deterministic=True)[0]
+            out = mods[impl].apply({"params": params}, x, mask, deterministic=True)[0]
             return jnp.sum(out * x)
 
         return jax.grad(f, argnums=(0, 1))(params, x)
@@ -205,3 +208,24 @@ def test_fast_and_vmap_gradients_agree_with_masked_key_columns():
     np.testing.assert_allclose(gx_fast, gx_vmap, atol=1e-5, rtol=1e-5)
     for name in params:
         np.testing.assert_allclose(gp_fast[name], gp_vmap[name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_cache_mask_rows_are_the_causal_rows_of_the_full_pass():
+    """Cached decoding at positions p..p+t sees exactly the causal rows p..p+t of the
+    teacher-forced mask (and never the empty slots beyond them)."""
+    full = np.asarray(masks.decoder_mask(jnp.ones((1, 8), bool)))[0]  # [8, 8]
+    for start, count in ((0, 1), (3, 1), (2, 4)):
+        cached = np.asarray(masks.cache_mask(start + jnp.arange(count), 8, 1))[0]  # [T, L]
+        np.testing.assert_array_equal(cached, full[start : start + count])
+
+
+def test_packed_masks_are_the_conjunction_of_padding_causality_and_segments():
+    src_seg = jnp.array([[1, 1, 2, 2, 2, 0]])
+    tgt_seg = jnp.array([[1, 1, 1, 2, 2, 0]])
+    m = masks.seq2seq_masks(src_seg != 0, tgt_seg != 0, src_seg, tgt_seg)
+    s, t = np.asarray(src_seg[0]), np.asarray(tgt_seg[0])
+    same = lambda a, b: (a[:, None] == b[None, :]) & (b[None, :] != 0)  # noqa: E731
+    np.testing.assert_array_equal(m.encoder[0], same(s, s))
+    np.testing.assert_array_equal(m.decoder[0], same(t, t) & np.tril(np.ones((6, 6), bool)))
+    np.testing.assert_array_equal(m.cross[0], same(t, s))
+    assert m.cross.shape == (1, 6, 6)

@@ -4,20 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_config
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.tools import benchmark
 
-TINY = TransformerConfig(
-    vocab_size=40,
-    d_model=16,
-    num_heads=2,
-    d_ff=24,
-    num_encoder_layers=1,
-    num_decoder_layers=2,
-    dropout_rate=0.0,
-)
+TINY = tiny_model_config(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1)
 
 
 def test_decode_benchmark_reports_every_figure():

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_config
 from flax import linen as nn
 
 from flaxformer_lite.config import ConfigError, TransformerConfig
@@ -18,15 +19,7 @@ from flaxformer_lite.nn.layers import Dense, project
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-TINY = TransformerConfig(
-    vocab_size=23,
-    d_model=16,
-    num_heads=2,
-    d_ff=32,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    dropout_rate=0.0,
-)
+TINY = tiny_model_config(vocab_size=23, d_model=16, num_heads=2, d_ff=32)
 SRC = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])  # row 0: 2 pad positions
 TGT = jnp.array([[2, 4, 5, 0, 0], [2, 7, 8, 9, 10]])  # row 0: 2 pad positions
 
@@ -332,7 +325,7 @@ def test_attention_weights_on_every_path_inside_a_jitted_train_step():
                 return jnp.sum(logits**2), state["intermediates"]
 
             grads, sown = jax.grad(loss, has_aux=True)(p)
-            from flaxformer_lite.models.transformer import captured_attention
+            from flaxformer_lite.models.capture import captured_attention
 
             return grads, captured_attention(sown, LAYERS, cfg)
 

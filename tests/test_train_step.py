@@ -6,22 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import tiny_model_config
 
-from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training.state import create_state
 from flaxformer_lite.training.step import train_step
 
-CFG = TransformerConfig(
-    vocab_size=50,
-    d_model=32,
-    num_heads=4,
-    d_ff=64,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    dropout_rate=0.0,
-)
+CFG = tiny_model_config(vocab_size=50, d_ff=64)
 
 
 SGD = optax.sgd(0.5)  # a linear update exposes any difference in the gradient

@@ -18,7 +18,8 @@ from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
-from flaxformer_lite.models.transformer import Transformer, captured_attention
+from flaxformer_lite.models.capture import captured_attention
+from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.objectives import cross_entropy
 
 PACKING_KEYS = ("inputs_segments", "inputs_positions", "targets_segments", "targets_positions")
