@@ -220,7 +220,7 @@ def test_bad_multihost_setups_fail_with_one_line(tmp_path):
     # No process 0 listens: a clear error after the initialization timeout, not a JAX abort.
     code = (
         f"import sys; sys.path.insert(0, {ROOT!r})\n"
-        "from flaxformer_lite import partitioning\n"
+        "from flaxformer_lite.parallel import partitioning\n"
         f"partitioning.initialize_distributed('127.0.0.1:{_free_port()}', 2, 1, "
         "initialization_timeout_s=1)\n"
     )

@@ -17,16 +17,16 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import linen as nn
 from conftest import tiny_model_config
 from flaxformer_lite.models import predict
-from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.parallel import partitioning
 
 jax.config.update("jax_default_matmul_precision", "highest")
 assert jax.device_count() == 4, jax.devices()
 cfg = tiny_model_config(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1)
-model = Transformer(cfg)
+model = AutoregressiveModel(cfg)
 src = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14], [16, 0, 0, 0, 0, 0],
                  [20, 21, 22, 0, 0, 0]])
-boxed = model.init(jax.random.PRNGKey(1), src, src[:, :5])["params"]
+boxed = model.init(jax.random.PRNGKey(1), {"inputs": (1, 6), "targets": (1, 5)})
 params = nn.meta.unbox(boxed)
 mesh = partitioning.make_mesh(fsdp=2, model=2)
 shardings = partitioning.logical_shardings(boxed, mesh)
@@ -40,7 +40,7 @@ results = {}
 for method in ("greedy", "beam"):
     search = predict.SearchConfig(method, 6, beam_size=2, min_len=2)
     for name, p, x in (("one", params, src), ("mesh", sharded, inputs)):
-        tokens, scores = predict.decode(model, p, x, search=search, bos_id=2, eos_id=3)
+        tokens, scores = model.predict(p, {"inputs": x}, search)
         results[f"{method}_{name}_tokens"] = np.asarray(tokens)
         results[f"{method}_{name}_scores"] = np.asarray(scores)
 np.savez(out, **results)

@@ -24,7 +24,7 @@ config.mesh.fsdp, config.mesh.model = {fsdp}, {model}
 loop.train_and_evaluate(config, {workdir!r}, log=lambda s: None)
 # The layout training used: a feed-forward kernel [D, F] is split as declared.
 model, _, _, _ = loop.restore_trained({workdir!r})
-abstract = loop.abstract_state(model, loop.make_optimizer(config, model.config)[1],
+abstract = loop.abstract_state(model, loop.optimizer_from_config(config, model.config)[1],
                                     0, 10, 16)
 shardings = partitioning.logical_shardings(abstract, partitioning.mesh_from_config(config))
 kernel = shardings.params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"]
@@ -81,7 +81,9 @@ sys.path.insert(0, {root!r})
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import loop
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
+from flaxformer_lite.training.state import create_state
+from flaxformer_lite.training.step import jit_train_step
 GATHER = re.compile(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather(?:-start)?\\(")
 ANY_GATHER = re.compile(r" all-gather(?:-start)?\\(")
 REDUCE = re.compile(r" all-reduce(?:-start)?\\(")
@@ -93,9 +95,9 @@ def gathered_shapes(hlo):
 
 config = TransformerConfig(vocab_size=64, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
                            num_decoder_layers=1, max_len=16, dropout_rate=0.1)
-model, tx = Transformer(config), optax.adam(1e-3)
+model, tx = AutoregressiveModel(config, label_smoothing=0.1), optax.adam(1e-3)
 mesh = partitioning.make_mesh(model=2)
-state, shardings = loop.create_state(model, tx, mesh, seed=0, source_len=6, target_len=6)
+state, shardings = create_state(model, tx, mesh, seed=0, source_len=6, target_len=6)
 kernels = {{jax.tree_util.keystr(p): x for p, x in
            jax.tree_util.tree_flatten_with_path(state.params)[0] if x.ndim >= 2}}
 # Every kernel is really split over model (else "nothing gathered" would be vacuous).
@@ -108,7 +110,7 @@ assert gathered_shapes(control.lower(wi).compile().as_text()) == [wi.shape]
 
 tokens = np.ones((2, 6), np.int32)
 batch = partitioning.put_batch({{"inputs": tokens, "targets": tokens}}, mesh)
-step = loop.jit_train_step(model, tx, mesh, shardings, label_smoothing=0.1, bos_id=1)
+step = jit_train_step(model, tx, mesh, shardings)
 hlo = step.lower(state, batch).compile().as_text()
 gathered = gathered_shapes(hlo)
 shapes = {{x.shape for x in kernels.values()}}

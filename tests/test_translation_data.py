@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import translation
+from flaxformer_lite.data import catalog, translation
 from flaxformer_lite.data.translation import CatalogError, CorpusError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -285,7 +285,7 @@ def test_tsv_pairs_bad_file(tmp_path, content, message):
 @pytest.fixture
 def without_tensorflow_check(monkeypatch):
     """Lets load_catalog reach `download_and_prepare` (mocked by the tests) without TensorFlow."""
-    monkeypatch.setattr(translation, "_require_tensorflow", lambda name: None)
+    monkeypatch.setattr(catalog, "_require_tensorflow", lambda name: None)
 
 
 @pytest.mark.parametrize(
