@@ -74,11 +74,10 @@ def main(argv):
 
     from flaxformer_lite.training import loop
 
-    if jax.process_index() == 0:
-        cli.report_platform()
-
     try:
-        results = loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+        results = loop.train_and_evaluate(
+            FLAGS.config, FLAGS.workdir, on_checked=cli.report_platform
+        )
     except partitioning.DistributedError as e:
         cli.fail(str(e))
     if jax.process_index() == 0:

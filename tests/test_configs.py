@@ -213,11 +213,12 @@ def test_list_steps_skips_unfinished_saves(tmp_path):
 # Catalog datasets run on tfds.testing.mock_data (random strings); with no TFDS metadata
 # installed, the splits are declared here and the dataset counts as prepared.
 MOCK_TRAIN = """
-import runpy, sys
+import os, runpy, sys
 from unittest import mock
 import tensorflow_datasets as tfds
 train_py = sys.argv[1]
 sys.argv = [train_py, *sys.argv[2:]]
+sys.path.insert(0, os.path.dirname(os.path.abspath(train_py)))  # as `python train.py` would
 with (
     tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE),
     mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", lambda self: True),

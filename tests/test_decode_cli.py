@@ -8,7 +8,6 @@ import jax
 import pytest
 from conftest import ROOT, tiny_config
 
-from flaxformer_lite.models import predict
 from flaxformer_lite.translate import runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -147,14 +146,14 @@ def test_order_preserved_and_compilations_bounded(loaded):
     lines = [f"{'en' if i % 2 else 'de'} {str(7 * i + 1) * (1 + i % 7)}"[:10] for i in range(21)]
     # A max_len no other test uses, so every compilation of this search happens here.
     search = greedy(run_config, max_len=12)
-    # Backend compilations of the jitted `predict.decode`, counted through jax's
+    # Backend compilations of the jitted `runner.predict_batch`, counted through jax's
     # public monitoring events (one per compiled shape).
     compiled = []
 
     def listener(event, seconds, **kw):
         if (
             event == BACKEND_COMPILE_EVENT
-            and kw.get("fun_name") == f"jit({predict.decode.__name__})"
+            and kw.get("fun_name") == f"jit({runner.predict_batch.__name__})"
         ):
             compiled.append(seconds)
 

@@ -203,14 +203,25 @@ def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
     return sets, {name: texts(splits[name], "target") for name in sets}
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str, log: Log) -> Run:
-    """Validates the config, prepares data and workdir, builds (or restores) the state."""
+def prepare(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    log: Log,
+    on_checked: Callable[[], object] = lambda: None,
+) -> Run:
+    """Validates the config, prepares data and workdir, builds (or restores) the state.
+
+    `on_checked` runs once the config and the mesh passed their checks (train.py
+    reports the platform there, after a user mistake's one-line error would be).
+    """
     run_config_lib.validate(config)
     t, d = config.train, config.data
     mesh = partitioning.mesh_from_config(config)
     if not (d.batching == "bucket" and d.max_tokens):
         partitioning.check_batch_size(t.batch_size, mesh, "train.batch_size")
     partitioning.check_batch_size(t.eval_batch_size, mesh, "train.eval_batch_size")
+    if jax.process_index() == 0:
+        on_checked()
     splits, tokenizer, model_cfg, saved, had_run = partitioning.process_0_first(
         lambda: _prepare_workdir(config, workdir), "preparing the data and the workdir"
     )
@@ -334,7 +345,10 @@ def final_evaluation(run: Run) -> dict[str, float]:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str, log: Log | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    log: Log | None = None,
+    on_checked: Callable[[], object] = lambda: None,
 ) -> dict[str, float]:
     """Trains (or resumes) the run in `workdir`, evaluates, and returns final metrics.
 
@@ -347,7 +361,7 @@ def train_and_evaluate(
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
     if jax.process_index() != 0:
         log = lambda s: None  # noqa: E731 (one log per job)
-    run = prepare(config, workdir, log)
+    run = prepare(config, workdir, log, on_checked)
     try:
         train_loop(run)
         return final_evaluation(run)

@@ -68,9 +68,9 @@ def _check_options(o: Options) -> None:
 def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> None:
     """Decodes (or scores) `o.input` into `o.output`, reporting on stderr.
 
-    `on_inputs_checked` runs once flags, workdir and inputs passed their
-    checks, before the parameters are read (`decode.py` reports the platform
-    there, so a user mistake still prints one line).
+    `on_inputs_checked` runs once flags, workdir, inputs and the checkpoint
+    passed their checks (`decode.py` reports the platform there, so a user
+    mistake still prints one line).
 
     Raises:
       InputError, WorkdirError, FileNotFoundError, CheckpointIntegrityError:
@@ -104,8 +104,8 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     sources = runner.tokenize_lines(tokenizer, lines, max_source_len, strict=o.strict)
     for warning in reports.input_warnings(num_invalid, sources, max_source_len):
         log(warning)
-    on_inputs_checked()
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average)
+    on_inputs_checked()
     model = build_model(run_config)
     if o.score:
         _score(o, model, params, tokenizer, run_config, sources, references)

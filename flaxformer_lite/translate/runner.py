@@ -261,7 +261,7 @@ def progress_bar(total: int, desc: str, progress: bool | None):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "search"))
-def _predict(model, params, inputs, search, rng):
+def predict_batch(model, params, inputs, search, rng):
     """`model.predict` of one padded batch: (tokens int32[B, n, L], scores float32[B, n])."""
     return model.predict(params, {"inputs": inputs}, search, rng)
 
@@ -317,7 +317,7 @@ def decode_lines(
         inputs = pad_rows(sources.ids, indices, rows, length)
         result.batch_shapes.add(inputs.shape)
         rng = jax.random.fold_in(base_rng, b) if search.method == "sample" else None
-        out = _predict(model, params, inputs, search, rng)
+        out = predict_batch(model, params, inputs, search, rng)
         # Dispatch is asynchronous: detokenize the previous batch while this one runs.
         if pending is not None:
             collect(*pending)
