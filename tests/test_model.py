@@ -219,8 +219,8 @@ def test_scan_over_layers_equals_unrolled(remat):
         Transformer(TINY).apply({"params": params}, SRC, TGT),
         atol=1e-5,
     )
-    g_scan = jax.grad(lambda p: loss(scanned, p))(params)
-    g_unrolled = jax.grad(lambda p: loss(TINY, p))(params)
+    g_scan = jax.jit(jax.grad(lambda p: loss(scanned, p)))(params)
+    g_unrolled = jax.jit(jax.grad(lambda p: loss(TINY, p)))(params)
     for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_unrolled), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -291,7 +291,8 @@ def test_scan_equals_unrolled_with_dropout(dropout_rng):
     results = []
     for scan in (False, True):
         model = AutoregressiveModel(cfg.replace(scan_layers=scan), label_smoothing=0.1)
-        results.append(jax.value_and_grad(lambda p, m=model: m.loss(p, batch, key, 0)[0])(params))
+        loss = jax.jit(jax.value_and_grad(lambda p, m=model: m.loss(p, batch, key, 0)[0]))
+        results.append(loss(params))
     (loss_u, grad_u), (loss_s, grad_s) = results
     no_dropout = AutoregressiveModel(TINY).loss(params, batch, key, 0)[0]
     assert abs(float(loss_u) - float(no_dropout)) > 1e-3  # dropout is really on
