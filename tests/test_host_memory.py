@@ -37,10 +37,16 @@ print(json.dumps({{"applied": applied, "faults": sorted(faults)}}))
 """
 
 
+def _optimised_xla_flags() -> str:
+    """The suite's XLA flags without its fast-compile flag: the probe runs its program 50
+    times, and unoptimised code would spend minutes doing so."""
+    return os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+
+
 def _probe(mode: str) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", _PROBE.format(root=ROOT, mode=mode)],
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_optimised_xla_flags()),
         capture_output=True,
         text=True,
         timeout=300,
