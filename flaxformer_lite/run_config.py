@@ -15,7 +15,6 @@ from typing import Any
 
 import ml_collections
 
-from flaxformer_lite import datasets
 from flaxformer_lite.config import ConfigError, TransformerConfig, from_mapping
 
 BATCHINGS = ("fixed", "bucket", "pack")
@@ -28,9 +27,6 @@ SPLITS = ("train", "validation", "test")
 # {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
 # "float32")}.
 ParamShapes = dict[str, tuple[tuple[int, ...], str]]
-
-load_splits = datasets.load_splits
-tfds_dir = datasets.tfds_dir
 
 
 # Checks: (flag, value) -> an error line, or None when the value is fine.
@@ -361,35 +357,6 @@ def planned_model_config(config: ml_collections.ConfigDict) -> TransformerConfig
     d = _section(DataConfig, "data", config.data)
     target = 0 if d.shared_vocab else d.target_vocab_size
     return model_config(config, d.vocab_size, target or None)
-
-
-def param_shapes(model: TransformerConfig) -> ParamShapes:
-    """{parameter path: (shape, dtype name)} of `model`, from `jax.eval_shape` (no allocation).
-
-    Paths join module names with "/", e.g. "decoder/layer_0/cross_attention/kv_kernel".
-    """
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    from flaxformer_lite.models.autoregressive import AutoregressiveModel
-
-    # Parameter shapes do not depend on the lengths: a [1, 8] source and target suffice.
-    shapes = {"inputs": (1, 8), "targets": (1, 8)}
-    params = jax.eval_shape(
-        lambda rng: AutoregressiveModel(model).init(rng, shapes),
-        jax.ShapeDtypeStruct((2,), jnp.uint32),
-    )
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]:
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        out[name] = (tuple(int(n) for n in leaf.shape), jnp.dtype(leaf.dtype).name)
-    return out
-
-
-def saved_param_shapes(saved: Mapping[str, Any]) -> ParamShapes:
-    """`param_shapes` of the model in a run config as saved in a workdir (`to_saved_dict`)."""
-    return param_shapes(from_mapping(dict(saved["model"])))
 
 
 def to_saved_dict(config: ml_collections.ConfigDict, model: TransformerConfig) -> dict[str, Any]:

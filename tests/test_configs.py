@@ -12,7 +12,9 @@ from conftest import ROOT
 from configs import default
 from flaxformer_lite import run_config
 from flaxformer_lite.config import ConfigError
-from flaxformer_lite.training import checkpoints
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
+from flaxformer_lite.training import checkpoints, loop
+from flaxformer_lite.training.state import param_shapes
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
@@ -176,9 +178,8 @@ def _claim(workdir, **changes):
     config = with_changes(changes)
     model = run_config.planned_model_config(config)
     saved = run_config.to_saved_dict(config, model)
-    return checkpoints.claim_workdir(
-        str(workdir), saved, run_config.param_shapes(model), run_config.saved_param_shapes
-    )
+    shapes = param_shapes(AutoregressiveModel(model))
+    return checkpoints.claim_workdir(str(workdir), saved, shapes, loop.saved_param_shapes)
 
 
 def test_same_shapes_resume(tmp_path):

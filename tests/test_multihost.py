@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, assert_params_close, tiny_config
 from test_sharding import _train
 
-from flaxformer_lite import run_config
+from flaxformer_lite import datasets, run_config
 from flaxformer_lite.data import numbers, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
 
@@ -135,7 +135,7 @@ def test_each_process_reads_its_rows_of_every_global_batch(repeat):
 @pytest.fixture(scope="module")
 def prepared_tfds(tfds_dir):
     """The tiny task prepared once here, so that the processes only read it."""
-    run_config.load_splits(tiny_config(tfds_dir).data)
+    datasets.load_splits(run_config.parse(tiny_config(tfds_dir)).data)
     return tfds_dir
 
 

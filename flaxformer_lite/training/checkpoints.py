@@ -31,7 +31,7 @@ from etils import epath
 
 from flaxformer_lite import files
 
-# {parameter path: (shape, dtype name)}, as `run_config.param_shapes` returns.
+# {parameter path: (shape, dtype name)}, as `training.state.param_shapes` returns.
 ParamShapes = Mapping[str, tuple[tuple[int, ...], str]]
 
 RUN_CONFIG = "run_config.json"
@@ -62,9 +62,9 @@ def claim_workdir(
       workdir: directory path (created if missing).
       run_config: JSON-friendly full config (`run_config.to_saved_dict`).
       param_shapes: this run's {parameter path: (shape, dtype name)}
-        (`run_config.param_shapes`).
+        (`training.state.param_shapes`).
       saved_param_shapes: computes those of a saved run config
-        (`run_config.saved_param_shapes`).
+        (`training.loop.saved_param_shapes`).
     Raises:
       WorkdirError: the path is a file, a non-empty foreign directory, or a
         workdir whose model has other parameters.

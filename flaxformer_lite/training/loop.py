@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 from tqdm import tqdm
 
+from flaxformer_lite import datasets
 from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
@@ -34,7 +35,13 @@ from flaxformer_lite.training import checkpoints, optim, restore, train_data
 from flaxformer_lite.training import evaluate as evaluate_lib
 from flaxformer_lite.training import step as step_lib
 from flaxformer_lite.training.metric_writer import MetricWriter
-from flaxformer_lite.training.state import TrainState, abstract_state, create_state
+from flaxformer_lite.training.state import (
+    ParamShapes,
+    TrainState,
+    abstract_state,
+    create_state,
+    param_shapes,
+)
 
 Log = Callable[[str], None]
 
@@ -113,13 +120,19 @@ def restore_trained(workdir: str, step: int | None = None, average: int = 1):
     return model, state, tokenizer, saved
 
 
+def saved_param_shapes(saved: dict) -> ParamShapes:
+    """`state.param_shapes` of the model of a run config as a workdir saved it."""
+    config = ml_collections.ConfigDict(saved)
+    return param_shapes(build_model(config, run_config_lib.model_config(config)))
+
+
 def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
     """Data splits, tokenizer, model config, saved run config, and whether the workdir had a run.
 
     Process 0 prepares the data, trains the vocabulary and claims the workdir;
     the others then read its vocabulary (see `partitioning.process_0_first`).
     """
-    splits = run_config_lib.load_splits(config.data)
+    splits = datasets.load_splits(run_config_lib.parse(config).data)
     if jax.process_index() != 0 and not tokenizer_lib.Vocabularies.exists(workdir):
         raise checkpoints.WorkdirError(
             f"process {jax.process_index()} cannot see the vocabulary in {workdir}, which "
@@ -132,9 +145,8 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
         None if tokenizer.shared else tokenizer.target.vocab_size,
     )
     saved = run_config_lib.to_saved_dict(config, model_cfg)
-    had_run = checkpoints.claim_workdir(
-        workdir, saved, run_config_lib.param_shapes(model_cfg), run_config_lib.saved_param_shapes
-    )
+    shapes = param_shapes(build_model(config, model_cfg))
+    had_run = checkpoints.claim_workdir(workdir, saved, shapes, saved_param_shapes)
     if new_vocab and jax.process_index() == 0:
         tokenizer.save(workdir)
     return splits, tokenizer, model_cfg, saved, had_run

@@ -41,6 +41,26 @@ def _init_fn(
     return init
 
 
+ParamShapes = dict[str, tuple[tuple[int, ...], str]]
+
+
+def param_shapes(model: Seq2SeqModel) -> ParamShapes:
+    """{parameter path: (shape, dtype name)} of `model`, from `jax.eval_shape` (no allocation).
+
+    Paths join module names with "/", e.g. "decoder/layer_0/cross_attention/kv_kernel".
+    Parameter shapes do not depend on the lengths: a [1, 8] source and target suffice.
+    """
+    shapes = {"inputs": (1, 8), "targets": (1, 8)}
+    params = jax.eval_shape(
+        lambda rng: model.init(rng, shapes), jax.ShapeDtypeStruct((2,), jnp.uint32)
+    )
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        out[name] = (tuple(int(n) for n in leaf.shape), jnp.dtype(leaf.dtype).name)
+    return out
+
+
 def abstract_state(model: Seq2SeqModel, tx, seed: int, source_len: int, target_len: int):
     """Shapes of the train state, with logical-axis boxes, without allocating."""
     return jax.eval_shape(_init_fn(model, tx, seed, source_len, target_len))
