@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config
 
-from flaxformer_lite.translate import scoring
+from flaxformer_lite.constants import EOS_ID
+from flaxformer_lite.translate import files, scoring
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 SOURCES = ["en 12", "", "de 45", "en 7", "de 3"]
@@ -46,11 +47,11 @@ def test_tokenize_targets_ends_in_eos_and_truncates():
         def encode(self, text):
             return [ord(c) for c in text]
 
-    eos = scoring.EOS_ID
+    eos = EOS_ID
     targets = scoring.tokenize_targets(Chars(), ["ab", "", "abcdef"], 4)
     assert targets.ids == [[97, 98, eos], [eos], [97, 98, 99, eos]]
     assert targets.num_truncated == 1
-    with pytest.raises(scoring.InputError, match=r"\(line 3\)"):
+    with pytest.raises(files.InputError, match=r"\(line 3\)"):
         scoring.tokenize_targets(Chars(), ["ab", "", "abcdef"], 4, strict=True)
 
 

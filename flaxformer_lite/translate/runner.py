@@ -174,12 +174,17 @@ def tokenize_lines(
         out.ids.append(ids)
     out.num_truncated = len(too_long)
     if strict and too_long:
-        shown = ", ".join(map(str, too_long[:5])) + (", ..." if len(too_long) > 5 else "")
-        raise InputError(
-            f"{len(too_long)} input line(s) exceed the model's {max_source_len} source tokens "
-            f"(line {shown}); shorten them, or drop --strict to truncate"
-        )
+        raise too_long_error(too_long, "input", max_source_len, "source")
     return out
+
+
+def too_long_error(numbers: list[int], what: str, max_len: int, side: str) -> InputError:
+    """The --strict refusal of over-long lines, naming the first few (1-based)."""
+    shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+    return InputError(
+        f"{len(numbers)} {what} line(s) exceed the model's {max_len} {side} tokens "
+        f"(line {shown}); shorten them, or drop --strict to truncate"
+    )
 
 
 def plan_batches(

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, Vocabularies
+from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.translate import runner
 from flaxformer_lite.translate.files import InputError
 
@@ -53,18 +53,13 @@ def tokenize_targets(
     encoder = Vocabularies.of(tokenizer).target
     out, too_long = Targets(ids=[]), []
     for number, line in enumerate(lines, start=1):
-        ids = (encoder.encode(line) if line.strip() else []) + [EOS_ID]
-        if len(ids) > max_target_len:
+        ids, truncated = with_eos(encoder.encode(line) if line.strip() else [], max_target_len)
+        if truncated:
             too_long.append(number)
-            ids = ids[: max_target_len - 1] + [EOS_ID]
         out.ids.append(ids)
     out.num_truncated = len(too_long)
     if strict and too_long:
-        shown = ", ".join(map(str, too_long[:5])) + (", ..." if len(too_long) > 5 else "")
-        raise InputError(
-            f"{len(too_long)} reference line(s) exceed the model's {max_target_len} target "
-            f"tokens (line {shown}); shorten them, or drop --strict to truncate"
-        )
+        raise runner.too_long_error(too_long, "reference", max_target_len, "target")
     return out
 
 
