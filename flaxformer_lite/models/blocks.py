@@ -39,11 +39,12 @@ class EncoderLayer(nn.Module):
         attn = attention.MultiHeadAttention(
             cfg, self_attention=True, capture=self.capture_self, name="self_attention"
         )
-        x = Residual(cfg, name="self_attention_residual")(
-            lambda h: attn(h, mask, deterministic=deterministic)[0], x, deterministic=deterministic
-        )
-        ffn = FeedForward(cfg, name="ffn")
-        return Residual(cfg, name="ffn_residual")(ffn, x, deterministic=deterministic)
+        res = Residual(cfg, name="self_attention_residual")
+        y, _ = attn(res.inputs(x), mask, deterministic=deterministic)
+        x = res(x, y, deterministic=deterministic)
+        res = Residual(cfg, name="ffn_residual")
+        y = FeedForward(cfg, name="ffn")(res.inputs(x))
+        return res(x, y, deterministic=deterministic)
 
 
 class DecoderLayer(nn.Module):
@@ -94,23 +95,22 @@ class DecoderLayer(nn.Module):
         Returns:
           (y [B, T, D], the updated cache or None).
         """
-        new_cache = None
-
-        def self_attend(h):
-            nonlocal new_cache
-            h, new_cache = self.self_attention(
-                h, self_mask, deterministic=deterministic, cache=cache
-            )
-            return h
-
-        def cross_attend(h):
-            return self.cross_attention(
-                h, cross_mask, deterministic=deterministic, inputs_kv=encoded, cross_kv=cross_kv
-            )[0]
-
-        y = self.self_attention_residual(self_attend, y, deterministic=deterministic)
-        y = self.cross_attention_residual(cross_attend, y, deterministic=deterministic)
-        y = self.ffn_residual(self.ffn, y, deterministic=deterministic)
+        res = self.self_attention_residual
+        h, new_cache = self.self_attention(
+            res.inputs(y), self_mask, deterministic=deterministic, cache=cache
+        )
+        y = res(y, h, deterministic=deterministic)
+        res = self.cross_attention_residual
+        h, _ = self.cross_attention(
+            res.inputs(y),
+            cross_mask,
+            deterministic=deterministic,
+            inputs_kv=encoded,
+            cross_kv=cross_kv,
+        )
+        y = res(y, h, deterministic=deterministic)
+        res = self.ffn_residual
+        y = res(y, self.ffn(res.inputs(y)), deterministic=deterministic)
         return y, new_cache
 
 

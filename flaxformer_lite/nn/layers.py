@@ -91,23 +91,29 @@ def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
 
 
 class Residual(nn.Module):
-    """Residual connection + LayerNorm around one sub-layer.
+    """Residual connection + LayerNorm around one sub-layer, as straight-line code.
 
     post-LN (§3.1, §5.4): LayerNorm(x + Dropout(Sublayer(x))).
     pre-LN (option):      x + Dropout(Sublayer(LayerNorm(x))); the stack then
                           ends with one more LayerNorm.
+
+    Use: `y = sublayer(res.inputs(x)); x = res(x, y, deterministic=...)`. The
+    submodules keep the names ("norm", "Dropout_0") that parameter paths and
+    dropout keys of existing checkpoints and runs were made with.
     """
 
     config: TransformerConfig
 
-    @nn.compact
-    def __call__(
-        self, sublayer: Callable[[jax.Array], jax.Array], x: jax.Array, *, deterministic: bool
-    ) -> jax.Array:
-        """x: [B, T, D] -> [B, T, D]."""
+    def setup(self):
         cfg = self.config
-        norm = layer_norm(cfg, "norm")
-        drop = Dropout(cfg.dropout_rate, cfg.dropout_rng)
-        if cfg.norm == "pre":
-            return x + drop(sublayer(norm(x)), deterministic=deterministic)
-        return norm(x + drop(sublayer(x), deterministic=deterministic))
+        self.norm = layer_norm(cfg, None)
+        self.Dropout_0 = Dropout(cfg.dropout_rate, cfg.dropout_rng)
+
+    def inputs(self, x: jax.Array) -> jax.Array:
+        """What the sub-layer reads: x, or LayerNorm(x) when pre-LN. [B, T, D]."""
+        return self.norm(x) if self.config.norm == "pre" else x
+
+    def __call__(self, x: jax.Array, y: jax.Array, *, deterministic: bool) -> jax.Array:
+        """x: [B, T, D] the residual stream; y: [B, T, D] the sub-layer's output."""
+        y = self.Dropout_0(y, deterministic=deterministic)
+        return x + y if self.config.norm == "pre" else self.norm(x + y)
