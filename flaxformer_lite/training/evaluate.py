@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 from jax.experimental import multihost_utils
 
@@ -10,6 +12,12 @@ from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import step as step_lib
+
+
+class Evaluation(NamedTuple):
+    metrics: dict[str, float]
+    pairs: list[tuple[str, str]]  # (prediction, reference) per evaluated example
+    bleu_signature: str | None  # sacreBLEU's, when BLEU was computed
 
 
 def evaluate(
@@ -23,7 +31,7 @@ def evaluate(
     decode_fn,
     max_batches: int | None = None,
     bleu: bool = False,
-) -> tuple[dict[str, float], list[tuple[str, str]]]:
+) -> Evaluation:
     """Teacher-forced metrics, and free-running decoding scored against the references.
 
     Every process reads the same global batches and feeds its own rows of them;
@@ -37,7 +45,8 @@ def evaluate(
       decode_fn: (params, batch) -> int32[B, T] best hypotheses.
       bleu: also compute sacreBLEU and chrF (corpus level).
     Returns:
-      (metrics, [(prediction, reference)] for every evaluated example).
+      metrics, (prediction, reference) pairs of every evaluated example, and the
+      BLEU signature when `bleu` (computed with the scores, not again).
     """
     target_vocab = tokenizer_lib.Vocabularies.of(tokenizer).target
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
@@ -55,15 +64,12 @@ def evaluate(
     refs = references[: len(hyps)]
     metrics = cross_entropy.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
+    signature = None
     if bleu:
         scores = corpus_scores(hyps, refs)
         metrics["bleu"], metrics["chrf"] = scores.bleu, scores.chrf
-    return metrics, list(zip(hyps, refs))
-
-
-def bleu_signature(pairs: list[tuple[str, str]]) -> str:
-    """The sacreBLEU signature of the BLEU `evaluate` reports for these (hyp, ref) pairs."""
-    return corpus_scores([h for h, _ in pairs], [r for _, r in pairs]).signature
+        signature = scores.signature
+    return Evaluation(metrics, list(zip(hyps, refs)), signature)
 
 
 def print_examples(dataset, tokenizer, pairs, count: int, log) -> None:

@@ -182,7 +182,7 @@ class Run:
         self.ckpt.close()
 
     def evaluate(self, split: str, step: int, max_batches: int | None = None):
-        metrics, pairs = evaluate_lib.evaluate(
+        result = evaluate_lib.evaluate(
             self.state.params,
             self.eval_sets[split],
             self.references[split],
@@ -193,9 +193,10 @@ class Run:
             max_batches=max_batches,
             bleu=self.config.train.eval_bleu,
         )
-        self.writer.write(step, split, metrics)
-        self.log(f"step {step} {split}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        return metrics, pairs
+        self.writer.write(step, split, result.metrics)
+        shown = " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
+        self.log(f"step {step} {split}: {shown}")
+        return result
 
 
 def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
@@ -344,15 +345,14 @@ def final_evaluation(run: Run) -> dict[str, float]:
     run.ckpt.wait()
     results: dict[str, float] = {"step": final_step}
     for split in run.eval_sets:
-        metrics, pairs = run.evaluate(split, final_step)
-        results.update({f"{split}_{k}": v for k, v in metrics.items()})
+        result = run.evaluate(split, final_step)
+        results.update({f"{split}_{k}": v for k, v in result.metrics.items()})
         if split == "test" and t.num_examples_to_print:
             evaluate_lib.print_examples(
-                run.eval_sets[split], run.tokenizer, pairs, t.num_examples_to_print, run.log
+                run.eval_sets[split], run.tokenizer, result.pairs, t.num_examples_to_print, run.log
             )
-        if t.eval_bleu:
-            signature = evaluate_lib.bleu_signature(pairs)
-            run.log(f"{split} BLEU by sacreBLEU, signature {signature}")
+        if result.bleu_signature:
+            run.log(f"{split} BLEU by sacreBLEU, signature {result.bleu_signature}")
     return results
 
 
