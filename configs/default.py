@@ -98,6 +98,13 @@ def get_config() -> ml_collections.ConfigDict:
     t.eval_bleu = False  # also report sacreBLEU and chrF
     t.checkpoint_every = 500  # steps between checkpoints
     t.keep_checkpoints = 3  # most recent checkpoints kept
+    t.keep_best_checkpoints = 1  # also kept: the best by validation best_metric (0: none)
+    t.best_metric = "loss"  # validation metric ranking checkpoints: loss, exact_match, bleu, ...
+    t.early_stop_patience = 0  # stop after this many evaluations without a new best (0: never)
+    t.nonfinite = "stop"  # non-finite loss or gradient: stop | skip (the update; stop after
+    t.nonfinite_max_skips = 10  # ... this many skipped steps in a row)
+    t.hang_factor = 20.0  # a step, evaluation or save this many times its median is a hang:
+    t.hang_min_seconds = 600.0  # ... but never before this; the run then exits (0: no watchdog)
     t.num_examples_to_print = 8  # test examples printed at the end
     t.progress_bar = True  # tqdm bar on stderr
     t.tensorboard = True  # also write TensorBoard event files

@@ -19,6 +19,18 @@ from flaxformer_lite.config import ConfigError, TransformerConfig, from_mapping
 
 BATCHINGS = ("fixed", "bucket", "pack")
 EVAL_SEARCHES = ("greedy", "beam")
+NONFINITE = ("stop", "skip")
+# Validation metrics that can rank checkpoints, and whether lower is better.
+BEST_METRICS = {
+    "loss": "min",
+    "nll": "min",
+    "perplexity": "min",
+    "token_accuracy": "max",
+    "teacher_forced_sequence_accuracy": "max",
+    "exact_match": "max",
+    "bleu": "max",
+    "chrf": "max",
+}
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 SPLITS = ("train", "validation", "test")
@@ -159,6 +171,13 @@ class TrainConfig:
     eval_bleu: bool = _field(False, _boolean)
     checkpoint_every: int = _field(500, NON_NEGATIVE)
     keep_checkpoints: int = _field(3, POSITIVE)
+    keep_best_checkpoints: int = _field(1, NON_NEGATIVE)
+    best_metric: str = _field("loss", _one_of(*BEST_METRICS))
+    early_stop_patience: int = _field(0, NON_NEGATIVE)
+    nonfinite: str = _field("stop", _one_of(*NONFINITE))
+    nonfinite_max_skips: int = _field(10, POSITIVE)
+    hang_factor: float = _field(20.0, _number(0.0))
+    hang_min_seconds: float = _field(600.0, _number(0.0, low_open=True))
     num_examples_to_print: int = _field(8, NON_NEGATIVE)
     progress_bar: bool = _field(True, _boolean)
     tensorboard: bool = _field(True, _boolean)
@@ -253,6 +272,17 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
         raise ConfigError(
             f"train.grad_accum_steps={train.grad_accum_steps} must divide "
             f"train.batch_size={train.batch_size}"
+        )
+    if train.best_metric in ("bleu", "chrf") and not train.eval_bleu:
+        raise ConfigError(
+            f"train.best_metric={train.best_metric!r} is computed only with "
+            "--config.train.eval_bleu=True; set it, or rank checkpoints by loss or exact_match"
+        )
+    if train.early_stop_patience and not train.eval_every:
+        raise ConfigError(
+            f"train.early_stop_patience={train.early_stop_patience} counts validation "
+            "evaluations, but train.eval_every=0 evaluates only at the end: set "
+            "--config.train.eval_every"
         )
     if optim.schedule == "rsqrt" and optim.warmup_steps == 0:
         raise ConfigError(

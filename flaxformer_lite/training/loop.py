@@ -9,6 +9,7 @@ model protocol (`models/base.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -34,7 +35,10 @@ from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import checkpoints, optim, restore, train_data
 from flaxformer_lite.training import evaluate as evaluate_lib
 from flaxformer_lite.training import step as step_lib
+from flaxformer_lite.training.early_stopping import EarlyStopping
 from flaxformer_lite.training.metric_writer import MetricWriter
+from flaxformer_lite.training.nonfinite import NonFiniteGuard
+from flaxformer_lite.training.preemption import Preempted, StopSignals
 from flaxformer_lite.training.state import (
     ParamShapes,
     TrainState,
@@ -171,18 +175,58 @@ class Run:
     eval_sets: dict
     references: dict
     ckpt: checkpoints.Checkpointer
+    early_stop: EarlyStopping
+    guard: NonFiniteGuard
+    signals: StopSignals | None = None
+    watchdog: Any = None
     writer: MetricWriter | None = None
     data_id: dict = dataclasses.field(default_factory=dict)
     first_batch: int = 0
     start: int = 0
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.writer is not None:
             self.writer.close()
         self.ckpt.close()
 
+    def watch(self, kind: str, what: str):
+        """The hang watchdog's deadline around one step, evaluation or save."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.watch(kind, what)
+
+    def save(self, step: int, *, force: bool = False, metrics: dict | None = None) -> bool:
+        """Checkpoints the state at `step` (if due, or forced), once every step before it is
+        known to be finite. Returns whether it saved."""
+        self.guard.check(0)
+        meta = train_data.checkpoint_meta(
+            self.saved, self.data_id, self.first_batch + step - self.start
+        )
+        meta["early_stop"] = self.early_stop.state()
+        with self.watch("save", f"checkpoint {step}"):
+            return self.ckpt.save(step, self.state, meta, force=force, metrics=metrics)
+
+    def stop_if_preempted(self, step: int) -> None:
+        """Raises `Preempted` (after a checkpoint at `step`) when a stop signal arrived."""
+        if self.signals is None or not self.signals.requested():
+            return
+        saved = step > self.start
+        if saved:
+            self.save(step, force=True)
+        raise Preempted(step, saved)
+
     def evaluate(self, split: str, step: int, max_batches: int | None = None):
-        result = evaluate_lib.evaluate(
+        with self.watch("eval", f"{split} evaluation at step {step}"):
+            result = self._evaluate(split, max_batches)
+        self.writer.write(step, split, result.metrics)
+        shown = " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
+        self.log(f"step {step} {split}: {shown}")
+        return result
+
+    def _evaluate(self, split: str, max_batches: int | None):
+        return evaluate_lib.evaluate(
             self.state.params,
             self.eval_sets[split],
             self.references[split],
@@ -193,10 +237,6 @@ class Run:
             max_batches=max_batches,
             bleu=self.config.train.eval_bleu,
         )
-        self.writer.write(step, split, result.metrics)
-        shown = " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
-        self.log(f"step {step} {split}: {shown}")
-        return result
 
 
 def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
@@ -226,6 +266,8 @@ def prepare(
 
     `on_checked` runs once the config and the mesh passed their checks (train.py
     reports the platform there, after a user mistake's one-line error would be).
+    A latest checkpoint that cannot be read or fails its checksums is set aside
+    and the newest good one restored (see `Checkpointer.restore_latest_good`).
     """
     run_config_lib.validate(config)
     t, d = config.train, config.data
@@ -243,7 +285,18 @@ def prepare(
     state, shardings = create_state(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
     )
-    ckpt = checkpoints.Checkpointer(workdir, keep=t.keep_checkpoints, save_every=t.checkpoint_every)
+    # The previous checkpoint stays until the next one is written and verified.
+    checkpoints.check_writable(workdir, 2 * checkpoints.state_nbytes(state))
+    best_mode = run_config_lib.BEST_METRICS[t.best_metric]
+    ckpt = checkpoints.Checkpointer(
+        workdir,
+        keep=t.keep_checkpoints,
+        save_every=t.checkpoint_every,
+        keep_best=t.keep_best_checkpoints,
+        best_metric=t.best_metric,
+        best_mode=best_mode,
+        log=log,
+    )
     search = search_from_config(config)
     eval_sets, references = _eval_sets(config, splits, tokenizer)
     run = Run(
@@ -264,20 +317,28 @@ def prepare(
         eval_sets=eval_sets,
         references=references,
         ckpt=ckpt,
+        early_stop=EarlyStopping(t.best_metric, best_mode, t.early_stop_patience),
+        guard=NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, log),
     )
     try:
         restored_meta: dict[str, Any] = {}
         if ckpt.latest_step() is not None:
-            run.state, restored_meta = ckpt.restore(state)
+            run.state, restored_meta, _ = ckpt.restore_latest_good(state)
             log(f"resumed from step {int(run.state.step)} in {ckpt.directory}")
         elif had_run:
             log(f"workdir {workdir} has no checkpoint yet; starting at step 0")
+        run.early_stop.restore(restored_meta.get("early_stop"))
         run.writer = MetricWriter(workdir, tensorboard=t.tensorboard)
         run.start = int(run.state.step)
         run.data_id = train_data.data_identity(config, splits["train"])
         run.first_batch = train_data.first_batch(
             restored_meta.get("data"), run.data_id, run.start, log
         )
+        if t.hang_factor > 0:
+            from flaxformer_lite.training import watchdog
+
+            # Every process reports its own hang (the others' logs may be silent).
+            run.watchdog = watchdog.Watchdog(factor=t.hang_factor, min_seconds=t.hang_min_seconds)
     except BaseException:
         run.close()
         raise
@@ -291,12 +352,19 @@ def _log_train_metrics(run: Run, sums, done: int, steps: int, elapsed: float) ->
     metrics["grad_norm"] = float(fetched["grad_norm"]) / steps
     metrics["tokens_per_sec"] = float(fetched["tokens"]) / elapsed
     metrics["learning_rate"] = float(run.schedule(done - 1))
+    if run.guard.skipped:
+        metrics["nonfinite_skipped"] = run.guard.skipped  # in this run so far
     run.writer.write(done, "train", metrics)
     return metrics
 
 
 def train_loop(run: Run) -> None:
-    """Steps from the restored step to `train.num_steps`, with logging, evaluation, checkpoints."""
+    """Steps from the restored step to `train.num_steps`, with logging, evaluation, checkpoints.
+
+    Between steps it stops for a signal (`Preempted`, after a checkpoint), a
+    non-finite step (`NonFiniteError`, see `nonfinite.py`) or, after an
+    evaluation, early stopping (it then returns).
+    """
     t = run.config.train
     sums_acc = None
     t_log, last_logged = time.perf_counter(), run.start
@@ -308,13 +376,20 @@ def train_loop(run: Run) -> None:
         disable=not t.progress_bar or jax.process_index() != 0,
         dynamic_ncols=True,
     )
+    run.stop_if_preempted(run.start)
+    if run.early_stop.exhausted:  # a resumed run that had already stopped
+        run.log(run.early_stop.message(run.start))
+        return
     batches = train_data.prefetch(
         lambda i: run.train_batches[i], run.first_batch, run.first_batch + t.num_steps - run.start
     )
     for step, host in zip(range(run.start, t.num_steps), batches):
-        run.state, sums = run.train_step(run.state, step_lib.device_batch(host, run.mesh))
-        sums_acc = sums if sums_acc is None else jax.tree.map(jnp.add, sums_acc, sums)
         done = step + 1
+        with run.watch("step", f"step {done}"):
+            run.state, sums = run.train_step(run.state, step_lib.device_batch(host, run.mesh))
+            run.guard.add(done, sums)
+            run.guard.check(1)  # the step before: the host stays one step ahead
+        sums_acc = sums if sums_acc is None else jax.tree.map(jnp.add, sums_acc, sums)
         if done % t.log_every == 0 or done == t.num_steps:
             elapsed = time.perf_counter() - t_log
             metrics = _log_train_metrics(run, sums_acc, done, done - last_logged, elapsed)
@@ -322,37 +397,50 @@ def train_loop(run: Run) -> None:
             sums_acc, t_log, last_logged = None, time.perf_counter(), done
         bar.update(1)
         interrupted = False  # evaluated or checkpointed: not training time
-        if t.eval_every and done % t.eval_every == 0 and done != t.num_steps:
-            run.evaluate("validation", done, t.eval_max_batches or None)
+        if done == t.num_steps:
+            pass  # final_evaluation saves and evaluates the last step
+        elif t.eval_every and done % t.eval_every == 0:
+            run.guard.check(0)
+            result = run.evaluate("validation", done, t.eval_max_batches or None)
+            run.early_stop.update(done, result.metrics)
+            # Every evaluated step is saved, so that the best ones can be kept.
+            run.save(done, force=True, metrics=result.metrics)
             interrupted = True
-        meta = train_data.checkpoint_meta(
-            run.saved, run.data_id, run.first_batch + done - run.start
-        )
-        interrupted |= run.ckpt.save(done, run.state, meta)
+        else:
+            interrupted |= run.save(done)
+        run.stop_if_preempted(done)
+        if run.early_stop.exhausted:
+            run.log(run.early_stop.message(done))
+            break
         if interrupted:  # tokens/s measures training alone
             t_log = time.perf_counter()
     bar.close()
 
 
 def final_evaluation(run: Run) -> dict[str, float]:
-    """Saves the final checkpoint, evaluates every held-out split, prints examples."""
+    """Saves the last step, evaluates every held-out split, prints examples.
+
+    The checkpoint is written before evaluating (a failed evaluation loses no
+    training); the validation metrics are then recorded with it, ranking it
+    among the best checkpoints.
+    """
     t = run.config.train
     final_step = int(run.state.step)
-    meta = train_data.checkpoint_meta(
-        run.saved, run.data_id, run.first_batch + final_step - run.start
-    )
-    run.ckpt.save(final_step, run.state, meta, force=True)
-    run.ckpt.wait()
+    run.save(final_step, force=True)
+    run.stop_if_preempted(final_step)
     results: dict[str, float] = {"step": final_step}
     for split in run.eval_sets:
         result = run.evaluate(split, final_step)
         results.update({f"{split}_{k}": v for k, v in result.metrics.items()})
+        if split == "validation":
+            run.ckpt.record_metrics(final_step, result.metrics)
         if split == "test" and t.num_examples_to_print:
             evaluate_lib.print_examples(
                 run.eval_sets[split], run.tokenizer, result.pairs, t.num_examples_to_print, run.log
             )
         if result.bleu_signature:
             run.log(f"{split} BLEU by sacreBLEU, signature {result.bleu_signature}")
+        run.stop_if_preempted(final_step)
     return results
 
 
@@ -368,14 +456,23 @@ def train_and_evaluate(
     (after `partitioning.initialize_distributed`); each feeds its own rows of
     every batch, all of them save and restore checkpoints together, only
     process 0 logs and writes files, and all return the same metrics.
+
+    Raises:
+      Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved at the step
+        the message names, and the same call resumes from it.
+      NonFiniteError: a non-finite loss or gradient ended training; the last
+        checkpoint is the last one written before it.
+      checkpoints.CheckpointWriteError: a save failed; the previous checkpoint is kept.
     """
     # tqdm.write keeps log lines from tearing the progress bar.
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
     if jax.process_index() != 0:
         log = lambda s: None  # noqa: E731 (one log per job)
-    run = prepare(config, workdir, log, on_checked)
-    try:
-        train_loop(run)
-        return final_evaluation(run)
-    finally:
-        run.close()
+    with StopSignals(log) as signals:
+        run = prepare(config, workdir, log, on_checked)
+        run.signals = signals
+        try:
+            train_loop(run)
+            return final_evaluation(run)
+        finally:
+            run.close()

@@ -35,7 +35,11 @@ def train_step(
         "targets" int32[B, T], packing fields for packed rows. B must be
         divisible by `grad_accum_steps`.
     Returns:
-      (new state, metric sums as float32 scalars, plus "grad_norm").
+      (new state, metric sums as float32 scalars, plus "grad_norm" and "nonfinite":
+      2.0 when the loss was not finite, 1.0 when the loss was but the gradient
+      norm was not, 0.0 when both were finite. When not, the
+      parameters and optimiser state are returned unchanged, the step counter
+      advances, and the other sums are 0).
     """
     rng = jax.random.fold_in(state.rng, state.step)
     grad_fn = jax.grad(
@@ -60,8 +64,25 @@ def train_step(
     grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    sums["grad_norm"] = optax.global_norm(grads)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
+    grad_norm = optax.global_norm(grads)
+    # A non-finite loss or gradient never reaches the state: the update is dropped (the
+    # step still counts, so the data sequence is unchanged), and the loop decides whether
+    # to stop or go on from the "nonfinite" flag. Selecting the old state is exact, so a
+    # finite step is bit-identical to an unguarded one.
+    loss_finite = jnp.isfinite(sums["loss"])
+    finite = loss_finite & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    sums = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), sums)
+    sums["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
+    sums["nonfinite"] = jnp.where(loss_finite, jnp.where(finite, 0.0, 1.0), 2.0)
+    return (
+        state.replace(
+            step=state.step + 1,
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+        ),
+        sums,
+    )
 
 
 def jit_train_step(
