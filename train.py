@@ -73,13 +73,21 @@ def main(argv):
     import jax
 
     from flaxformer_lite.training import loop
+    from flaxformer_lite.training.nonfinite import NonFiniteError
+    from flaxformer_lite.training.preemption import Preempted
 
     try:
         results = loop.train_and_evaluate(
             FLAGS.config, FLAGS.workdir, on_checked=cli.report_platform
         )
+    except Preempted as e:  # a clean stop: the checkpoint is saved, rerunning resumes
+        if jax.process_index() == 0:
+            print(str(e), file=sys.stderr)
+        return
     except partitioning.DistributedError as e:
         cli.fail(str(e))
+    except NonFiniteError as e:
+        cli.fail(str(e), code=1)
     if jax.process_index() == 0:
         print(
             " ".join(

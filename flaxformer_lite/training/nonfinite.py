@@ -18,6 +18,8 @@ from collections import deque
 
 import jax
 
+from flaxformer_lite.training.step import NONFINITE_WHAT
+
 
 class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient; the message names the step."""
@@ -57,7 +59,7 @@ class NonFiniteGuard:
                 self._in_a_row = 0
                 self.last_finite = done
                 continue
-            what = "loss" if float(flag) >= 2.0 else "gradient norm"
+            what = NONFINITE_WHAT.get(int(float(flag)), "loss")
             if self.mode == "stop":
                 raise NonFiniteError(
                     f"the {what} was not finite at step {done}; training stopped there "
@@ -73,8 +75,9 @@ class NonFiniteGuard:
             )
             if self._in_a_row >= self.max_skips:
                 raise NonFiniteError(
-                    f"{self._in_a_row} steps in a row had a non-finite {what}, the last at step "
-                    f"{done} (train.nonfinite_max_skips={self.max_skips}); training stopped, "
+                    f"{self._in_a_row} steps in a row were not finite (the last one's {what}, "
+                    f"at step {done}; train.nonfinite_max_skips={self.max_skips}); training "
+                    "stopped, "
                     "and no checkpoint was written after the last finite step: lower "
                     "optim.learning_rate or set optim.grad_clip_norm"
                 )

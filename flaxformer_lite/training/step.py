@@ -13,6 +13,9 @@ from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training.state import TrainState
 
+# The train step's "nonfinite" codes.
+NONFINITE_WHAT = {1: "gradient norm", 2: "loss", 3: "updated parameters"}
+
 
 def train_step(
     state: TrainState,
@@ -36,8 +39,8 @@ def train_step(
         divisible by `grad_accum_steps`.
     Returns:
       (new state, metric sums as float32 scalars, plus "grad_norm" and "nonfinite":
-      2.0 when the loss was not finite, 1.0 when the loss was but the gradient
-      norm was not, 0.0 when both were finite. When not, the
+      0.0 for a finite step, else what was not finite: 2.0 the loss, 1.0 the
+      gradient norm, 3.0 the updated parameters (`NONFINITE_WHAT`). Then the
       parameters and optimiser state are returned unchanged, the step counter
       advances, and the other sums are 0).
     """
@@ -65,16 +68,19 @@ def train_step(
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.global_norm(grads)
-    # A non-finite loss or gradient never reaches the state: the update is dropped (the
-    # step still counts, so the data sequence is unchanged), and the loop decides whether
-    # to stop or go on from the "nonfinite" flag. Selecting the old state is exact, so a
-    # finite step is bit-identical to an unguarded one.
-    loss_finite = jnp.isfinite(sums["loss"])
-    finite = loss_finite & jnp.isfinite(grad_norm)
+    # A non-finite loss, gradient or updated parameter never reaches the state: the update
+    # is dropped (the step still counts, so the data sequence is unchanged), and the loop
+    # decides from the "nonfinite" code whether to stop or go on. Selecting the old state
+    # is exact, so a finite step is bit-identical to an unguarded one.
+    loss_ok = jnp.isfinite(sums["loss"])
+    grad_ok = jnp.isfinite(grad_norm)
+    params_ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+    finite = loss_ok & grad_ok & params_ok
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
     sums = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), sums)
     sums["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
-    sums["nonfinite"] = jnp.where(loss_finite, jnp.where(finite, 0.0, 1.0), 2.0)
+    code = jnp.where(loss_ok, jnp.where(grad_ok, jnp.where(params_ok, 0.0, 3.0), 1.0), 2.0)
+    sums["nonfinite"] = code
     return (
         state.replace(
             step=state.step + 1,

@@ -1,0 +1,288 @@
+"""Faults injected into real training runs: a preemption signal, a corrupted latest
+checkpoint, non-finite losses, a full disk, early stopping, and a hung step.
+
+Each test makes the fault happen for real (a signal to a running train.py, bytes
+flipped on disk, a learning rate that overflows, a filesystem that fills up, a
+step that sleeps) and checks what the run does and what it leaves on disk.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, tiny_config
+
+from flaxformer_lite.training import checkpoints, loop, restore
+from flaxformer_lite.training.nonfinite import NonFiniteError
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+quiet = lambda s: None  # noqa: E731
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _steps(workdir):
+    return checkpoints.list_steps(workdir)
+
+
+@pytest.fixture(scope="module")
+def trained(tfds_dir, tmp_path_factory):
+    """The tiny run trained to step 20 once, checkpoints at 10 and 20; tests copy it."""
+    path = str(tmp_path_factory.mktemp("faults") / "run")
+    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), path, log=quiet)
+    return path
+
+
+def _copy(trained, tmp_path, name="run"):
+    path = str(tmp_path / name)
+    shutil.copytree(trained, path)
+    return path
+
+
+def _flip_bytes(workdir, step, count=8):
+    """Flips `count` bytes in the middle of the largest array file of a checkpoint."""
+    state_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR, str(step), "state")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(state_dir) for f in fs]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        data = bytearray(f.read())
+        middle = len(data) // 2
+        for i in range(middle, middle + count):
+            data[i] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_newest_good_one(trained, tfds_dir, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    _, at_10, _, _ = loop.restore_trained(workdir, 10)
+    _flip_bytes(workdir, 20)
+    messages = []
+    results = loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), workdir, messages.append)
+    assert any("checkpoint 20" in m and "unusable" in m for m in messages), messages
+    assert any("resumed from step 10" in m for m in messages), messages
+    assert results["step"] == 20 and _steps(workdir)[-1] == 20  # step 20 trained again
+    # The corrupted step was set aside, not deleted.
+    kept = [os.path.join(d) for d, _, _ in os.walk(os.path.dirname(workdir)) if d.endswith("20")]
+    assert len(kept) >= 2, kept
+    # Training from the good step 10 gave the same step 20 as the original run.
+    _, again, _, _ = loop.restore_trained(workdir, 20)
+    _, original, _, _ = loop.restore_trained(trained, 20)
+    for a, b in zip(_leaves(again), _leaves(original)):
+        np.testing.assert_array_equal(a, b)
+    del at_10
+
+
+def test_nonfinite_loss_stops_without_a_nonfinite_checkpoint(trained, tfds_dir, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    config = tiny_config(tfds_dir, num_steps=40, checkpoint_every=2)
+    config.optim.learning_rate = 1e9
+    with pytest.raises(NonFiniteError, match=r"not finite at step (\d+); training stopped") as e:
+        loop.train_and_evaluate(config, workdir, log=quiet)
+    assert "\n" not in str(e.value)
+    bad = int(str(e.value).split("at step ")[1].split(";")[0])
+    steps = _steps(workdir)
+    assert 20 < bad <= 40 and steps[-1] < bad, (bad, steps)
+    for step in steps:  # every checkpoint that exists is finite
+        params, _ = restore.restore_params(workdir, step)
+        assert all(np.isfinite(x).all() for x in _leaves(params)), step
+
+    config.train.nonfinite, config.train.nonfinite_max_skips = "skip", 3
+    messages = []
+    with pytest.raises(NonFiniteError, match="3 steps in a row were not finite"):
+        loop.train_and_evaluate(config, workdir, log=messages.append)
+    assert sum("update skipped" in m for m in messages) == 3, messages
+
+
+def test_early_stopping_keeps_the_best_checkpoint(tfds_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    config = tiny_config(
+        tfds_dir,
+        num_steps=40,
+        eval_every=2,
+        checkpoint_every=0,
+        keep_checkpoints=1,
+        keep_best_checkpoints=1,
+        best_metric="exact_match",
+        early_stop_patience=2,
+    )
+    # The first evaluations, still in the warm-up, get no sentence right: after the first
+    # one (the best so far) two more without a better score end the run.
+    messages = []
+    results = loop.train_and_evaluate(config, workdir, log=messages.append)
+    matches = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for r in map(json.loads, f):
+            if r["split"] == "validation":
+                matches.setdefault(r["step"], r["exact_match"])
+    assert matches == {2: 0.0, 4: 0.0, 6: 0.0}, matches
+    stops = [m for m in messages if m.startswith("early stop at step")]
+    assert stops == [
+        "early stop at step 6: validation exact_match has not improved for 2 evaluations "
+        "(train.early_stop_patience=2); the best, 0.0000, was at step 2 (decode it with "
+        "--step best)"
+    ], messages
+    assert results["step"] == 6
+    assert _steps(workdir) == [2, 6]  # the last one and the best one
+    assert restore.resolve_step(workdir, "best") == 2
+    # A rerun has nothing left to train: it stops again at once and evaluates.
+    messages = []
+    again = loop.train_and_evaluate(config, workdir, log=messages.append)
+    assert again["step"] == 6 and any(m.startswith("early stop at step 6") for m in messages)
+
+
+def _tmpfs(path, size):
+    os.makedirs(path, exist_ok=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+
+
+def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tfds_dir, tmp_path, monkeypatch):
+    disk = tmp_path / "disk"
+    _tmpfs(disk, "8m")
+    try:
+        workdir = str(disk / "run")
+        save = checkpoints.Checkpointer.save
+        calls = []
+
+        def fill_then_save(self, step, *args, **kwargs):
+            calls.append(step)
+            if len(calls) == 2:  # the disk fills up between the first and the second save
+                with open(disk / "filler", "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * (1 << 16))
+                            f.flush()
+                    except OSError:
+                        pass
+            return save(self, step, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoints.Checkpointer, "save", fill_then_save)
+        config = tiny_config(tfds_dir, num_steps=20, checkpoint_every=5)
+        with pytest.raises(checkpoints.CheckpointWriteError) as e:
+            loop.train_and_evaluate(config, workdir, log=quiet)
+        assert "\n" not in str(e.value) and "step 10" in str(e.value), str(e.value)
+        assert _steps(workdir) == [5]
+        monkeypatch.setattr(checkpoints.Checkpointer, "save", save)
+        os.remove(disk / "filler")
+        messages = []
+        loop.train_and_evaluate(config, workdir, log=messages.append)
+        assert any("resumed from step 5" in m for m in messages), messages
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def _train_cli(workdir, tfds_dir, *flags):
+    return [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny.py",
+        "--workdir",
+        str(workdir),
+        f"--config.data.tfds_dir={tfds_dir}",
+        *flags,
+    ]
+
+
+def _wait_for_training(proc, workdir, timeout=120):
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(metrics) and os.path.getsize(metrics)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_exactly(trained, tfds_dir, tmp_path):
+    workdir = tmp_path / "run"
+    flags = (
+        "--config.train.num_steps=400",
+        "--config.train.checkpoint_every=0",
+        "--config.train.log_every=1",
+        "--config.model.dropout_rate=0.1",
+    )
+    proc = subprocess.Popen(
+        _train_cli(workdir, tfds_dir, *flags),
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_training(proc, workdir)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("preempted at step ") and last.endswith(
+        "; checkpoint saved; rerun the same command to resume"
+    ), err[-3000:]
+    step = int(last.split()[3].rstrip(";"))
+    assert 0 < step < 400 and _steps(workdir) == [step]
+    # Finish the run in-process with the same config, and compare with an uninterrupted run.
+    config = tiny_config(tfds_dir, num_steps=step + 4, checkpoint_every=0, log_every=1)
+    config.model.dropout_rate = 0.1
+    messages = []
+    loop.train_and_evaluate(config, str(workdir), log=messages.append)
+    assert any(f"resumed from step {step}" in m for m in messages), messages
+    straight = str(tmp_path / "straight")
+    loop.train_and_evaluate(config, straight, log=quiet)
+    _, a, _, _ = loop.restore_trained(straight)
+    _, b, _, _ = loop.restore_trained(str(workdir))
+    for x, y in zip(_leaves(a), _leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+HANG = """
+import sys, time
+sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + "/tests")
+from conftest import tiny_config
+from flaxformer_lite.training import loop, step as step_lib
+
+put = step_lib.device_batch
+calls = []
+
+def stuck_in_a_collective(seconds):
+    time.sleep(seconds)
+
+def device_batch(batch, mesh):
+    calls.append(1)
+    if len(calls) == 12:
+        stuck_in_a_collective(120)
+    return put(batch, mesh)
+
+step_lib.device_batch = device_batch
+config = tiny_config({tfds!r}, num_steps=40, checkpoint_every=0, log_every=1)
+config.train.hang_factor, config.train.hang_min_seconds = 5.0, 3.0
+loop.train_and_evaluate(config, {workdir!r}, log=print)
+"""
+
+
+def test_a_hung_step_dumps_the_stacks_and_exits(tfds_dir, tmp_path):
+    code = HANG.format(root=ROOT, tfds=tfds_dir, workdir=str(tmp_path / "run"))
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    took = time.monotonic() - started
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "error: step 12 has run for" in result.stderr, result.stderr[-3000:]
+    assert "stuck_in_a_collective" in result.stderr, result.stderr[-3000:]
+    assert took < 100, took
