@@ -168,6 +168,10 @@ def short_reason(e: BaseException) -> str:
         e, seen = inner, seen + 1
     text = (str(e).strip().splitlines() or [""])[0]
     text = re.sub(r' at local file "[^"]*"', "", text)
+    text = re.sub(r'"/(?:[^"]*/)?([^"/]+)/?"', r'"\1"', text)  # a path: its last part
+    code = re.search(r"os_error_code='(\d+)'", text)
+    if code and len(text) > 160:  # tensorstore's "RESOURCE_EXHAUSTED: ... [os_error_code='28']"
+        text = f"{text.split(':')[0]}: {os.strerror(int(code.group(1)))}"
     if len(text) > 160:
         text = text[:157] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
