@@ -170,6 +170,16 @@ def test_every_step_bad_names_them_and_moves_nothing(workdir):
     empty.close()
 
 
+def test_another_train_state_is_refused_not_skipped(workdir):
+    ckpt = Checkpointer(workdir, keep=5, save_every=1)
+    other = make_state(1)  # as if another optimiser added a moment
+    other = other.replace(opt_state=other.opt_state | {"nu": other.opt_state["mu"]})
+    with pytest.raises(WorkdirError, match=r"another train state .* \(9 arrays there vs 12 here\)"):
+        ckpt.restore_latest_good(abstract(other))
+    assert ckpt.all_steps() == [1, 2]  # nothing moved
+    ckpt.close()
+
+
 def test_newer_format_is_refused_not_skipped(workdir):
     edit_meta(workdir, 2, lambda m: m | {"format_version": checkpoints.FORMAT_VERSION + 1})
     ckpt = Checkpointer(workdir, keep=5, save_every=1)

@@ -146,7 +146,9 @@ def best_steps(
     ranked = sorted(
         (sign * float(m[metric]), -step)
         for step, m in metrics.items()
-        if isinstance(m.get(metric), int | float) and math.isfinite(m[metric])
+        if isinstance(m, Mapping)
+        and isinstance(m.get(metric), int | float)
+        and math.isfinite(m[metric])
     )
     return [-neg_step for _, neg_step in ranked[:count]]
 
@@ -284,10 +286,17 @@ def _read_on_host(path: epath.Path, like) -> Any:
     )
 
 
+def _layout(tree) -> list[tuple[tuple[int, ...], str]]:
+    """The sorted (shape, dtype name) of a tree's arrays (or orbax's ArrayMetadata)."""
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    return sorted((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves)
+
+
 def _write_fix(cause: BaseException) -> str:
     """What to do about a failed write, from its cause."""
-    text = str(cause)
-    codes = {getattr(c, "errno", None) for c in _chain(cause)}
+    chain = _chain(cause)
+    text = " ".join(str(c) for c in chain)
+    codes = {getattr(c, "errno", None) for c in chain}
     if errno.ENOSPC in codes or "RESOURCE_EXHAUSTED" in text or "No space" in text:
         return "free disk space there (or lower train.keep_checkpoints), then rerun to resume"
     if codes & {errno.EACCES, errno.EPERM, errno.EROFS}:
@@ -343,8 +352,8 @@ class Checkpointer:
         self._metrics: dict[int, dict[str, float] | None] = {}  # read metas, by step
         self._manager = ocp.CheckpointManager(
             self.directory,
-            # No max_to_keep: orbax would delete old steps when a save starts, before
-            # the new one is known to be good. Synchronous, so a save is verified in place.
+            # No max_to_keep: orbax would delete old steps once a new one is written, before
+            # anything has checked it. Synchronous, so a save is verified before it returns.
             options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),
             item_names=(STATE_ITEM, META_ITEM),
         )
@@ -586,6 +595,7 @@ class Checkpointer:
                 except Exception as e:
                     if is_out_of_memory(e):
                         raise
+                    self._refuse_other_layout(step, abstract_state, e)
                     problem = f"state unreadable: {short_reason(e)}"
             if not _all_processes(problem is None) and problem is None:
                 problem = "another process could not read it"
@@ -603,6 +613,32 @@ class Checkpointer:
             "over or pass a new --workdir",
             f"steps {listed} unusable",
         )
+
+    def _refuse_other_layout(self, step: int, abstract_state, error: Exception) -> None:
+        """Raises WorkdirError if `step` failed because it holds another tree than the target.
+
+        That is a changed config (say another optimiser chain), not corruption:
+        no step would restore, and none should be set aside.
+        """
+        path = epath.Path(self.directory) / str(step) / STATE_ITEM
+        try:
+            saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+        except Exception:
+            return  # unreadable metadata: the step itself is bad
+        there = _layout(saved)
+        here = _layout(abstract_state)
+        if there == here:
+            return
+        if len(there) != len(here):
+            what = f"{len(there)} arrays there vs {len(here)} here"
+        else:
+            a, b = next((a, b) for a, b in zip(there, here) if a != b)
+            what = f"an array of {a[0]} {a[1]} there vs {b[0]} {b[1]} here"
+        raise WorkdirError(
+            f"checkpoint {step} in {self.directory} holds another train state than this run "
+            f"builds ({what}); resume with the config that wrote it (optimiser settings "
+            "included), or pass a new --workdir"
+        ) from error
 
     def _set_aside(self, bad: list[tuple[int, str]], good: int) -> None:
         """Moves the unusable steps out of the orbax directory, logging one line each."""
