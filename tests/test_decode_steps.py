@@ -90,7 +90,7 @@ def test_best_follows_the_saved_metric_and_needs_one(copy):
     assert restore.resolve_step(copy, "best") == 20
     for step in LOSSES:
         edit_meta(copy, step, lambda m: {k: v for k, v in m.items() if k != "metrics"})
-    with pytest.raises(checkpoints.CheckpointIntegrityError) as e:
+    with pytest.raises(restore.StepSpecError) as e:
         restore.resolve_step(copy, "best")
     assert str(e.value).endswith(
         "has no checkpoint with validation metrics; train with train.eval_every > 0, or pass "

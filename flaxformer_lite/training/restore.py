@@ -31,7 +31,7 @@ STEP_SPECS = ("latest", "latest-good", "best")  # besides a step number
 
 
 class StepSpecError(ValueError):
-    """A step spec that is none of `STEP_SPECS` nor a step number."""
+    """A step spec that is none of `STEP_SPECS` nor a step number, or names no checkpoint."""
 
 
 def _warn(message: str) -> None:
@@ -111,10 +111,10 @@ def resolve_step(
         verify, logging one warning per newer unusable step (nothing is moved:
         decoding leaves the workdir as it is).
     Raises:
-      StepSpecError: `spec` is no step spec.
+      StepSpecError: `spec` is no step spec, or "best" without any checkpoint
+        saved with validation metrics.
       FileNotFoundError: no checkpoint, or none for that step number.
-      CheckpointIntegrityError: "best" without any checkpoint saved with
-        validation metrics, or "latest-good" with no usable checkpoint.
+      CheckpointIntegrityError: "latest-good" with no usable checkpoint.
     """
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return _resolve(workdir, parse_step(spec), sharding, log)[0]
@@ -174,10 +174,10 @@ def _best(workdir: str, steps: list[int]) -> int:
     best = checkpoints.best_steps(metrics, metric, mode)
     if not best:
         directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
-        raise checkpoints.CheckpointIntegrityError(
-            f"{directory} has no checkpoint with validation metrics"
-            + (f" (saved: {metric})" if metrics else "")
-            + "; train with train.eval_every > 0, or pass --step latest"
+        what = f"a finite validation {metric!r}" if metrics else "validation metrics"
+        raise StepSpecError(
+            f"{directory} has no checkpoint with {what}; train with train.eval_every > 0, "
+            "or pass --step latest"
         )
     return best[0]
 
