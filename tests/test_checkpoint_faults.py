@@ -147,6 +147,11 @@ def test_resume_falls_back_past_a_bad_latest_step(workdir, fault):
     # The run goes on: step 2 is saved again and reads back as saved.
     assert ckpt.save(2, STATES[2], {})
     assert_bitwise_equal(ckpt.restore(abstract(STATES[2]), 2)[0], STATES[2])
+    # Bad again: set aside next to the first one, which stays as it was.
+    fault(workdir, 2)
+    assert ckpt.restore_latest_good(abstract(STATES[1]))[2] == 1
+    assert f"moved it to {moved}.1 and" in messages[1]
+    assert sorted(os.listdir(ckpt.corrupt_directory)) == ["2", "2.1"]
     ckpt.close()
 
 
