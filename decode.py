@@ -26,7 +26,7 @@ SCORE_HELP = (
 
 def define_flags() -> None:
     DEFINE_string("workdir", None, "Training workdir written by train.py.", required=True)
-    DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
+    DEFINE_string("step", "latest", "latest (default), latest-good, best, or a step number.")
     DEFINE_integer("average", 1, "Mean params of the last N checkpoints to --step.", lower_bound=1)
     DEFINE_string("input", None, "Input text, one source per line (default: stdin).")
     DEFINE_string("output", None, "Output file, written atomically (default: stdout).")

@@ -103,9 +103,18 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     from flaxformer_lite.config import ConfigError
-    from flaxformer_lite.training.checkpoints import CheckpointIntegrityError, WorkdirError
+    from flaxformer_lite.training import checkpoints
+    from flaxformer_lite.training.restore import StepSpecError
 
-    return (ConfigError, WorkdirError, CheckpointIntegrityError, FileNotFoundError)
+    return (
+        ConfigError,
+        checkpoints.WorkdirError,
+        checkpoints.CheckpointIntegrityError,
+        checkpoints.CheckpointFormatError,
+        checkpoints.CheckpointWriteError,
+        StepSpecError,
+        FileNotFoundError,
+    )
 
 
 def friendly_errors(main: Callable) -> Callable:

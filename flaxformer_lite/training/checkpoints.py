@@ -1,128 +1,82 @@
-"""Workdir ownership, orbax checkpoints and their integrity checks.
+"""Orbax checkpoints of the train state, and what keeps them usable.
 
-Layout of a workdir:
+A workdir's `checkpoints/<step>/` holds two orbax items: "state" (the train
+state) and "meta" (JSON: step, format version, model config, per-leaf SHA-256
+checksums, validation metrics when given). Steps found unusable on resume are
+moved to `checkpoints-corrupt/<step>/`, out of orbax's sight, never deleted.
+(`workdir.py` describes the rest of a workdir.)
 
-  workdir/
-    run_config.json      the full run config of the run that made it (marks ownership)
-    checkpoints/<step>/  orbax items: "state" (train state), "meta" (JSON: step,
-                         model config, per-leaf SHA-256 checksums)
-    vocab.spm            the shared tokenizer, or vocab.source.spm and
-                         vocab.target.spm (see data/tokenizer.py: Vocabularies)
-    metrics.jsonl        one JSON object per logged step / evaluation
-    tensorboard/         event files
-
-A run only writes into a workdir that is empty, new, or carries a
-`run_config.json` whose model has the same parameter shapes as its own;
-anything else is refused with a `WorkdirError`, and nothing is deleted.
+A save is synchronous and is trusted only once read back: one host pass over
+the state computes the checksums and refuses non-finite values, orbax writes
+the step, the written state is read from disk and compared with the
+checksums, and only then are older steps deleted (retention is done here, not
+by orbax's `max_to_keep`, which deletes old steps once a new one is written,
+before anything has checked it). A failed save raises `CheckpointWriteError`,
+leaves no partial step directory, and keeps every earlier checkpoint. A
+resume (`Checkpointer.restore_latest_good`) tries steps newest first and
+moves the unusable ones aside.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import json
+import math
 import os
+import re
+import shutil
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from flaxformer_lite import files
+# Workdir names, re-exported: they lived here before workdir.py.
+from flaxformer_lite.training.workdir import (  # noqa: F401
+    CHECKPOINT_DIR,
+    RUN_CONFIG,
+    ParamShapes,
+    WorkdirError,
+    check_writable,
+    claim_workdir,
+    load_run_config,
+    shape_differences,
+    state_nbytes,
+)
 
-# {parameter path: (shape, dtype name)}, as `training.state.param_shapes` returns.
-ParamShapes = Mapping[str, tuple[tuple[int, ...], str]]
+CORRUPT_SUFFIX = "-corrupt"  # checkpoints/ -> checkpoints-corrupt/ for steps set aside
+STATE_ITEM, META_ITEM = "state", "meta"  # the orbax items of a step
+# Version of what a step holds (items, meta fields, tree layout). Bump it when a
+# change would make older code misread a new checkpoint; older checkpoints stay readable.
+FORMAT_VERSION = 1
 
-RUN_CONFIG = "run_config.json"
-CHECKPOINT_DIR = "checkpoints"
-
-
-class WorkdirError(RuntimeError):
-    """The workdir cannot be used as asked; the message says why and what to do."""
+Log = Callable[[str], None]
 
 
 class CheckpointIntegrityError(RuntimeError):
-    """A restored checkpoint's bytes differ from what was saved."""
+    """A checkpoint cannot be trusted: its bytes differ from what was saved, or it is unreadable.
 
-
-def claim_workdir(
-    workdir: str,
-    run_config: dict[str, Any],
-    param_shapes: ParamShapes,
-    saved_param_shapes: Callable[[dict[str, Any]], ParamShapes],
-) -> bool:
-    """Makes sure `workdir` belongs to this run; returns True if it already had a run.
-
-    A workdir's run is resumed when its model has the same parameters (paths,
-    shapes and dtypes) as this run's: changes that keep them, such as a dropout
-    rate, resume; any other change is refused.
-
-    Args:
-      workdir: directory path (created if missing).
-      run_config: JSON-friendly full config (`run_config.to_saved_dict`).
-      param_shapes: this run's {parameter path: (shape, dtype name)}
-        (`training.state.param_shapes`).
-      saved_param_shapes: computes those of a saved run config
-        (`training.loop.saved_param_shapes`).
-    Raises:
-      WorkdirError: the path is a file, a non-empty foreign directory, or a
-        workdir whose model has other parameters.
+    `reason` is the short cause alone (no step, no directory), for summaries.
     """
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise WorkdirError(f"workdir {workdir!r} is a file; pass --workdir a directory path")
-    marker = os.path.join(workdir, RUN_CONFIG)
-    if os.path.isdir(workdir) and not os.path.exists(marker) and os.listdir(workdir):
-        raise WorkdirError(
-            f"workdir {workdir!r} is not empty and was not made by this library (no "
-            f"{RUN_CONFIG}); pass a new or empty directory as --workdir"
-        )
-    if os.path.exists(marker):
-        with open(marker, encoding="utf-8") as f:
-            try:
-                previous = json.load(f)
-            except json.JSONDecodeError as e:
-                raise WorkdirError(
-                    f"{marker} is not valid JSON ({e}); restore it or use another --workdir"
-                ) from e
-        try:
-            old = saved_param_shapes(previous)
-        except (KeyError, TypeError, ValueError) as e:
-            raise WorkdirError(
-                f"workdir {workdir!r} holds a run config whose model cannot be built here "
-                f"({type(e).__name__}: {e}); pass a new --workdir"
-            ) from e
-        diffs = shape_differences(old, param_shapes)
-        if diffs:
-            more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-            before, now = previous.get("model", {}), run_config.get("model", {})
-            fields = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-            raise WorkdirError(
-                f"workdir {workdir!r} holds a model with other parameters ("
-                + "; ".join(diffs[:3])
-                + more
-                + (f"; model fields changed: {', '.join(fields)}" if fields else "")
-                + "); use the same model config to resume, or pass a new --workdir"
-            )
-        return True
-    os.makedirs(workdir, exist_ok=True)
-    if jax.process_index() == 0:
-        files.atomic_write(marker, json.dumps(run_config, indent=2, sort_keys=True).encode())
-    return False
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
-def shape_differences(there: ParamShapes, here: ParamShapes) -> list[str]:
-    """One "path: <there> there vs <here> here" per parameter that differs, in path order."""
+class CheckpointFormatError(RuntimeError):
+    """A checkpoint was written by a newer library, in a format this one cannot read."""
 
-    def show(entry):
-        return "absent" if entry is None else f"{tuple(entry[0])} {entry[1]}"
 
-    out = []
-    for path in sorted(set(there) | set(here)):
-        a, b = there.get(path), here.get(path)
-        if a is None or b is None or (tuple(a[0]), a[1]) != (tuple(b[0]), b[1]):
-            out.append(f"{path}: {show(a)} there vs {show(b)} here")
-    return out
+class CheckpointWriteError(RuntimeError):
+    """A save failed (no space, no permission, read-back mismatch, non-finite state).
+
+    The failed step leaves nothing behind, and every earlier checkpoint is kept.
+    """
 
 
 def list_steps(workdir: str) -> list[int]:
@@ -140,16 +94,141 @@ def list_steps(workdir: str) -> list[int]:
     return sorted(steps)
 
 
-def load_run_config(workdir: str) -> dict[str, Any]:
-    """Reads the run config saved in a workdir (for decoding and inspection)."""
-    marker = os.path.join(workdir, RUN_CONFIG)
-    if not os.path.exists(marker):
-        raise WorkdirError(
-            f"{workdir!r} has no {RUN_CONFIG}: it is not a training workdir; "
-            "pass the --workdir that train.py wrote"
+def read_meta(workdir: str, step: int) -> dict[str, Any]:
+    """The meta item of `workdir`'s checkpoint `step`, read without opening a manager.
+
+    Nothing is created or changed in the workdir, so decoding can call it.
+
+    Raises:
+      CheckpointIntegrityError: the item is missing, not JSON, or not a JSON object.
+    """
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
+    path = epath.Path(directory) / str(step) / META_ITEM
+    try:
+        meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path)
+    except Exception as e:
+        reason = f"meta unreadable: {short_reason(e)}"
+        raise _unusable(step, directory, reason) from e
+    if not isinstance(meta, dict):
+        reason = f"meta is a JSON {type(meta).__name__}, not an object"
+        raise _unusable(step, directory, reason)
+    return meta
+
+
+def check_format(meta: Mapping[str, Any], step: int, directory: str) -> None:
+    """Refuses a checkpoint written in a newer format; one without a version is an old one.
+
+    Raises:
+      CheckpointFormatError: its format version is above `FORMAT_VERSION`.
+      CheckpointIntegrityError: its format version is not an integer.
+    """
+    version = meta.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise _unusable(step, directory, f"format_version {version!r} is not an integer")
+    if version > FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"checkpoint {step} in {directory} has format version {version}, newer than this "
+            f"library's ({FORMAT_VERSION}); upgrade flaxformer_lite or pass an older --step"
         )
-    with open(marker, encoding="utf-8") as f:
-        return json.load(f)
+
+
+def best_steps(
+    metrics: Mapping[int, Mapping[str, float]], metric: str, mode: str, count: int = 1
+) -> list[int]:
+    """The `count` best steps by `metrics[step][metric]` ("min" or "max"), best first.
+
+    Steps without a finite value of `metric` are no candidates; of equal values
+    the later step wins.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"best mode must be 'min' or 'max', got {mode!r}")
+    sign = 1.0 if mode == "min" else -1.0
+    ranked = sorted(
+        (sign * float(m[metric]), -step)
+        for step, m in metrics.items()
+        if isinstance(m, Mapping)
+        and isinstance(m.get(metric), int | float)
+        and math.isfinite(m[metric])
+    )
+    return [-neg_step for _, neg_step in ranked[:count]]
+
+
+def short_reason(e: BaseException) -> str:
+    """One line saying why `e` happened: its innermost cause, without long file paths.
+
+    Orbax wraps tensorstore's error ("OUT_OF_RANGE: Error reading ...") in a
+    bare `Exception` whose message is a page of tensorstore spec; the cause is
+    the readable part.
+    """
+    if isinstance(e, CheckpointIntegrityError):
+        return e.reason
+    seen = 0
+    while seen < 8:
+        inner = e.__cause__ or (e.__context__ if type(e) is Exception else None)
+        if inner is None:
+            break
+        e, seen = inner, seen + 1
+    text = (str(e).strip().splitlines() or [""])[0]
+    text = re.sub(r' at local file "[^"]*"', "", text)
+    text = re.sub(r'"/(?:[^"]*/)?([^"/]+)/?"', r'"\1"', text)  # a path: its last part
+    code = re.search(r"os_error_code='(\d+)'", text)
+    if code and len(text) > 160:  # tensorstore's "RESOURCE_EXHAUSTED: ... [os_error_code='28']"
+        text = f"{text.split(':')[0]}: {os.strerror(int(code.group(1)))}"
+    if len(text) > 160:
+        text = text[:157] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _unusable(step: int, directory: str, reason: str) -> CheckpointIntegrityError:
+    return CheckpointIntegrityError(
+        f"checkpoint {step} in {directory} is corrupted: {reason}; restore an earlier step "
+        "or delete this one",
+        reason,
+    )
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether a read failed for lack of memory, which says nothing about the checkpoint."""
+    return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+
+
+def _digest(arr: np.ndarray) -> str:
+    digest = hashlib.sha256(arr.tobytes())
+    digest.update(str((arr.dtype, arr.shape)).encode())
+    return digest.hexdigest()
+
+
+def _split_across_processes(leaf) -> bool:
+    return isinstance(leaf, jax.Array) and not (
+        leaf.is_fully_addressable or leaf.is_fully_replicated
+    )
+
+
+def _host_pass(tree) -> tuple[dict[str, str], str | None]:
+    """(SHA-256 per leaf by tree path, path of the first leaf with a non-finite value or None).
+
+    One host copy of each leaf at a time serves both. Leaves split across
+    processes are not hashed (that would need an all-gather of the whole array
+    onto every host); their finiteness is reduced on the devices, which gives
+    every process the same answer.
+    """
+    checksums, nonfinite = {}, None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path)
+        if _split_across_processes(leaf):
+            if nonfinite is None and not _finite(leaf, jnp):
+                nonfinite = name
+            continue
+        arr = np.asarray(jax.device_get(leaf))
+        checksums[name] = _digest(arr)
+        if nonfinite is None and not _finite(arr, np):
+            nonfinite = name
+    return checksums, nonfinite
+
+
+def _finite(x, xp) -> bool:
+    """Whether a numpy (`xp=np`) or device (`xp=jnp`) array has no inf or NaN."""
+    return not jnp.issubdtype(x.dtype, jnp.inexact) or bool(xp.isfinite(x).all())
 
 
 def tree_checksums(tree) -> dict[str, str]:
@@ -159,29 +238,124 @@ def tree_checksums(tree) -> dict[str, str]:
     split across processes (no process holds them whole) are skipped: hashing
     them would need an all-gather of the full array onto every host.
     """
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array) and not (
-            leaf.is_fully_addressable or leaf.is_fully_replicated
-        ):
-            continue
-        arr = np.asarray(jax.device_get(leaf))
-        digest = hashlib.sha256(arr.tobytes())
-        digest.update(str((arr.dtype, arr.shape)).encode())
-        out[jax.tree_util.keystr(path)] = digest.hexdigest()
+    return _host_pass(tree)[0]
+
+
+def _all_processes(ok: bool) -> bool:
+    """Whether `ok` holds on every process (each reads its own shards, so they may differ)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.int32(ok)).all())
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"checkpoints: {name}")
+
+
+def _read_on_host(path: epath.Path, like) -> Any:
+    """The state item at `path` as host numpy arrays, in `like`'s tree structure.
+
+    Leaves split across processes come back as `ocp.PLACEHOLDER` (not read):
+    they have no checksum to compare with.
+    """
+
+    def item(x):
+        return (
+            ocp.PLACEHOLDER
+            if _split_across_processes(x)
+            else jax.ShapeDtypeStruct(x.shape, x.dtype)
+        )
+
+    def restore_args(x):
+        return (
+            ocp.PLACEHOLDER
+            if _split_across_processes(x)
+            else ocp.RestoreArgs(restore_type=np.ndarray)
+        )
+
+    return ocp.PyTreeCheckpointer().restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=jax.tree.map(item, like), restore_args=jax.tree.map(restore_args, like)
+        ),
+    )
+
+
+def _layout(tree) -> list[tuple[tuple[int, ...], str]]:
+    """The sorted (shape, dtype name) of a tree's arrays (or orbax's ArrayMetadata)."""
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    return sorted((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves)
+
+
+def _write_fix(cause: BaseException) -> str:
+    """What to do about a failed write, from its cause."""
+    chain = _chain(cause)
+    text = " ".join(str(c) for c in chain)
+    codes = {getattr(c, "errno", None) for c in chain}
+    if errno.ENOSPC in codes or "RESOURCE_EXHAUSTED" in text or "No space" in text:
+        return "free disk space there (or lower train.keep_checkpoints), then rerun to resume"
+    if codes & {errno.EACCES, errno.EPERM, errno.EROFS}:
+        return "make the directory writable, then rerun to resume"
+    return "check the filesystem, then rerun to resume"
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out = []
+    while e is not None and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or e.__context__
     return out
 
 
 class Checkpointer:
-    """Saves and restores the train state with orbax, every N steps, keeping the last K."""
+    """Saves and restores the train state with orbax; keeps the last K and the best K.
 
-    def __init__(self, workdir: str, *, keep: int, save_every: int):
+    Args:
+      workdir: the training workdir; checkpoints go to `workdir/checkpoints`.
+      keep: the most recent checkpoints kept (>= 1).
+      save_every: `save` saves steps that are multiples of this (0: only forced saves).
+      keep_best: also keep this many best checkpoints by `best_metric` among the
+        steps saved with metrics (0: none kept for being best).
+      best_metric: the key of the `metrics` given to `save` that ranks checkpoints.
+      best_mode: "min" (lower is better, as for a loss) or "max" (as for BLEU).
+      log: one line per event worth a user's attention (default: stderr).
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        keep: int,
+        save_every: int,
+        keep_best: int = 0,
+        best_metric: str = "loss",
+        best_mode: str = "min",
+        log: Log | None = None,
+    ):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (the checkpoint just saved), got {keep}")
+        if keep_best < 0:
+            raise ValueError(f"keep_best must be >= 0, got {keep_best}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        self.workdir = workdir
         self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
-        self.save_every = save_every
+        self.corrupt_directory = self.directory + CORRUPT_SUFFIX
+        self.keep, self.save_every, self.keep_best = keep, save_every, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self._log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self._metrics: dict[int, dict[str, float] | None] = {}  # read metas, by step
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-            item_names=("state", "meta"),
+            # No max_to_keep: orbax would delete old steps once a new one is written, before
+            # anything has checked it. Synchronous, so a save is verified before it returns.
+            options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),
+            item_names=(STATE_ITEM, META_ITEM),
         )
 
     def latest_step(self) -> int | None:
@@ -190,56 +364,310 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def save(self, step: int, state, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Saves `state` at `step` if due (or forced). Returns whether it saved."""
+    # Saving.
+
+    def save(
+        self,
+        step: int,
+        state,
+        meta: dict[str, Any],
+        *,
+        force: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> bool:
+        """Saves `state` at `step` if due (a multiple of `save_every`) or forced.
+
+        The state is refused if any floating-point leaf is not finite; once
+        written it is read back from disk and compared with its checksums; then
+        steps beyond the last `keep` and the best `keep_best` are deleted.
+
+        Args:
+          meta: JSON-friendly fields saved with it (step, format_version,
+            checksums and metrics are added).
+          metrics: e.g. validation metrics {name: float}, saved as meta["metrics"]
+            and used to rank the best checkpoints.
+        Returns:
+          Whether it saved (False: not due, or `step` is already saved).
+        Raises:
+          CheckpointWriteError: nothing was saved (non-finite state, write
+            error such as a full disk, or a read-back mismatch); no partial step
+            is left and the earlier checkpoints are all kept.
+        """
         if not force and (self.save_every <= 0 or step % self.save_every):
             return False
-        if step in self._manager.all_steps():
+        if step in self.all_steps():
             return False
-        meta = dict(meta, step=int(step), checksums=tree_checksums(state))
-        return self._manager.save(
+        checksums, nonfinite = _host_pass(state)
+        if nonfinite is not None:
+            raise CheckpointWriteError(
+                f"state at step {step} has non-finite values (first: {nonfinite}); not saved; "
+                f"{self._kept()}; lower optim.learning_rate or set optim.grad_clip_norm, and "
+                "rerun to resume from it"
+            )
+        meta = dict(meta, step=int(step), format_version=FORMAT_VERSION, checksums=checksums)
+        if metrics is not None:
+            meta["metrics"] = {k: float(v) for k, v in metrics.items()}
+            meta["best_metric"], meta["best_mode"] = self.best_metric, self.best_mode
+        try:
+            self._write(step, state, meta)
+        except Exception as e:
+            self._remove_failed(step)
+            raise CheckpointWriteError(
+                f"could not save checkpoint {step} in {self.directory} ({short_reason(e)}); "
+                f"{self._kept()}; {_write_fix(e)}"
+            ) from e
+        problem = self._read_back_problem(step, state, checksums)
+        if problem is not None:
+            _barrier(f"unverified step {step}")
+            self._remove_failed(step)
+            _barrier(f"removed step {step}")
+            raise CheckpointWriteError(
+                f"checkpoint {step} in {self.directory} was written but {problem}; deleted it; "
+                f"{self._kept()}; check the disk and the filesystem, then rerun to resume"
+            )
+        self._metrics[step] = meta.get("metrics")
+        self._apply_retention()
+        return True
+
+    def _write(self, step: int, state, meta: dict[str, Any]) -> None:
+        """Writes the two items of `step` (a seam for tests to corrupt a write)."""
+        self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                **{
+                    STATE_ITEM: ocp.args.StandardSave(state),
+                    META_ITEM: ocp.args.JsonSave(meta),
+                }
             ),
             force=True,
         )
+        self._manager.wait_until_finished()
 
-    def restore(self, abstract_state, step: int | None = None, *, verify: bool = True):
-        """Restores (state, meta) at `step` (default: latest) into `abstract_state`'s shardings.
-
-        Raises:
-          FileNotFoundError: no checkpoint to restore.
-          CheckpointIntegrityError: stored checksums disagree with the bytes read.
-        """
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
-        )
-        state, meta = restored["state"], restored["meta"]
-        if verify and "checksums" in meta:
-            now = tree_checksums(state)
-            bad = [k for k, v in meta["checksums"].items() if now.get(k, v) != v]
+    def _read_back_problem(self, step: int, state, checksums: dict[str, str]) -> str | None:
+        """None if `step`'s state reads back from disk with `checksums` on every process."""
+        path = epath.Path(self.directory) / str(step) / STATE_ITEM
+        problem = None
+        try:
+            back = _read_on_host(path, state)
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise
+            problem = f"does not read back ({short_reason(e)})"
+        else:
+            now = {
+                jax.tree_util.keystr(p): _digest(np.asarray(x))
+                for p, x in jax.tree_util.tree_flatten_with_path(back)[0]
+                if x is not ocp.PLACEHOLDER
+            }
+            bad = [k for k, v in checksums.items() if now.get(k) != v]
             if bad:
-                raise CheckpointIntegrityError(
-                    f"checkpoint {step} in {self.directory} is corrupted: {len(bad)} array(s) "
-                    f"differ from their saved checksums (first: {bad[0]}); restore an earlier "
-                    "step or delete this one"
+                problem = (
+                    f"{len(bad)} array(s) read back differ from the state saved (first: {bad[0]})"
                 )
-        return state, meta
+        if not _all_processes(problem is None) and problem is None:
+            problem = "another process could not read it back"
+        return problem
+
+    def _kept(self) -> str:
+        steps = self.all_steps()
+        if not steps:
+            return "there is no earlier checkpoint"
+        return f"the previous checkpoint (step {steps[-1]}) is kept"
+
+    def _remove_failed(self, step: int) -> None:
+        """Removes what a failed save of `step` left: the step and orbax's temporary dirs."""
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        self._metrics.pop(step, None)
+        self._manager.reload()
+
+    def _apply_retention(self) -> None:
+        """Deletes the steps that are neither among the last `keep` nor the best `keep_best`."""
+        steps = self.all_steps()
+        kept = set(steps[-self.keep :])
+        if self.keep_best:
+            kept |= set(
+                best_steps(self.step_metrics(), self.best_metric, self.best_mode, self.keep_best)
+            )
+        for step in steps:
+            if step not in kept:
+                self._manager.delete(step)
+                self._metrics.pop(step, None)
+
+    # Reading.
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON item saved with the checkpoint at `step` (default: latest), not the state."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return restored["meta"]
+        return read_meta(self.workdir, step)
+
+    def step_metrics(self) -> dict[int, dict[str, float]]:
+        """{step: the metrics saved with it} for the steps saved with metrics."""
+        out = {}
+        for step in self.all_steps():
+            if step not in self._metrics:
+                try:
+                    self._metrics[step] = self.read_meta(step).get("metrics")
+                except CheckpointIntegrityError:
+                    self._metrics[step] = None  # ranked as a step without metrics
+            if self._metrics[step]:
+                out[step] = self._metrics[step]
+        return out
+
+    def best_step(self) -> int | None:
+        """The best step by `best_metric` ("min"/"max" per `best_mode`); None without metrics."""
+        best = best_steps(self.step_metrics(), self.best_metric, self.best_mode)
+        return best[0] if best else None
+
+    def restore(self, abstract_state, step: int | None = None, *, verify: bool = True):
+        """Restores (state, meta) at `step` (default: latest) into `abstract_state`'s shardings.
+
+        Raises:
+          FileNotFoundError: no checkpoint to restore.
+          CheckpointFormatError: it was written in a newer format.
+          CheckpointIntegrityError: stored checksums disagree with the bytes read,
+            or the meta item is unreadable.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        meta = self.read_meta(step)
+        check_format(meta, step, self.directory)
+        return self._restore_state(abstract_state, step, meta, verify), meta
+
+    def _restore_state(self, abstract_state, step: int, meta: dict[str, Any], verify: bool):
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}),
+        )
+        state = restored[STATE_ITEM]
+        if verify and "checksums" in meta:
+            now = tree_checksums(state)
+            bad = [k for k, v in meta["checksums"].items() if now.get(k, v) != v]
+            if bad:
+                raise _unusable(
+                    step,
+                    self.directory,
+                    f"{len(bad)} array(s) differ from their saved checksums (first: {bad[0]})",
+                )
+        return state
+
+    def restore_latest_good(self, abstract_state):
+        """Restores the newest usable checkpoint, setting the unusable newer ones aside.
+
+        A step is unusable when its meta is unreadable or its state fails to
+        read (missing or truncated files, orbax and tensorstore errors) or to
+        verify against its checksums. Each such step newer than the one restored
+        is moved to `corrupt_directory` (never deleted) with one log line, so
+        later saves of those step numbers start afresh. When no step is usable,
+        nothing is moved. Every process reads the same files and they agree
+        before anything moves; process 0 alone moves the directories.
+
+        Returns:
+          (state, meta, step).
+        Raises:
+          FileNotFoundError: no checkpoint at all.
+          CheckpointFormatError: a checkpoint written in a newer format (not
+            skipped: an older library must not silently train past it).
+          CheckpointIntegrityError: no step is usable.
+        """
+        self._manager.reload()
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        bad: list[tuple[int, str]] = []
+        for step in reversed(steps):
+            problem = None
+            try:
+                meta = self.read_meta(step)
+                check_format(meta, step, self.directory)
+            except CheckpointIntegrityError as e:
+                problem = e.reason
+            else:
+                try:
+                    state = self._restore_state(abstract_state, step, meta, verify=True)
+                except CheckpointIntegrityError as e:
+                    problem = e.reason
+                except Exception as e:
+                    if is_out_of_memory(e):
+                        raise
+                    self._refuse_other_layout(step, abstract_state, e)
+                    problem = f"state unreadable: {short_reason(e)}"
+            if not _all_processes(problem is None) and problem is None:
+                problem = "another process could not read it"
+            if problem is None:
+                self._set_aside(bad, step)
+                return state, meta, step
+            bad.append((step, problem))
+        listed = ", ".join(str(s) for s, _ in bad)
+        reasons = "; ".join(f"{s}: {why}" for s, why in bad[:3])
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        verb = "is" if len(bad) == 1 else "are all"
+        raise CheckpointIntegrityError(
+            f"no usable checkpoint in {self.directory}: step{'s' * (len(bad) > 1)} {listed} "
+            f"{verb} unusable ({reasons}{more}); delete the workdir's checkpoints to start "
+            "over or pass a new --workdir",
+            f"steps {listed} unusable",
+        )
+
+    def _refuse_other_layout(self, step: int, abstract_state, error: Exception) -> None:
+        """Raises WorkdirError if `step` failed because it holds another tree than the target.
+
+        That is a changed config (say another optimiser chain), not corruption:
+        no step would restore, and none should be set aside.
+        """
+        path = epath.Path(self.directory) / str(step) / STATE_ITEM
+        try:
+            saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+        except Exception:
+            return  # unreadable metadata: the step itself is bad
+        there = _layout(saved)
+        here = _layout(abstract_state)
+        if there == here:
+            return
+        if len(there) != len(here):
+            what = f"{len(there)} arrays there vs {len(here)} here"
+        else:
+            a, b = next((a, b) for a, b in zip(there, here) if a != b)
+            what = f"an array of {a[0]} {a[1]} there vs {b[0]} {b[1]} here"
+        raise WorkdirError(
+            f"checkpoint {step} in {self.directory} holds another train state than this run "
+            f"builds ({what}); resume with the config that wrote it (optimiser settings "
+            "included), or pass a new --workdir"
+        ) from error
+
+    def _set_aside(self, bad: list[tuple[int, str]], good: int) -> None:
+        """Moves the unusable steps out of the orbax directory, logging one line each."""
+        if not bad:
+            return
+        _barrier("before setting checkpoints aside")
+        for step, why in bad:
+            source = os.path.join(self.directory, str(step))
+            dest = os.path.join(self.corrupt_directory, str(step))
+            n = 1
+            while os.path.lexists(dest):  # the same step number set aside before
+                dest, n = os.path.join(self.corrupt_directory, f"{step}.{n}"), n + 1
+            if jax.process_index() == 0:
+                try:
+                    os.makedirs(self.corrupt_directory, exist_ok=True)
+                    os.rename(source, dest)
+                except OSError as e:
+                    raise WorkdirError(
+                        f"checkpoint {step} in {self.directory} is unusable ({why}) and could "
+                        f"not be moved to {dest} ({e.strerror or e}); move or delete it, then "
+                        "rerun"
+                    ) from e
+            self._metrics.pop(step, None)
+            self._log(
+                f"checkpoint {step} in {self.directory} is unusable ({why}); moved it to "
+                f"{dest} and falling back to step {good}"
+            )
+        _barrier("after setting checkpoints aside")
+        self._manager.reload()
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

@@ -6,11 +6,17 @@ Adam, so they are read with orbax's partial restore
 (`PyTreeRestore(item={"params": ...}, partial_restore=True)`): the other
 subtrees are never read, and no optimiser is built. The restore target comes
 from the checkpoint's own metadata, so no model is built either.
+
+Which checkpoint is read is a step spec (`resolve_step`): "latest", a step
+number, "best" (by the validation metric saved with it), or "latest-good" (the
+newest whose parameters read and verify). Nothing here writes to the workdir.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +26,16 @@ import orbax.checkpoint as ocp
 from flaxformer_lite.training import checkpoints
 
 PARAMS = "params"  # the train state's field holding the model parameters
-STATE_ITEM = "state"  # orbax item of the train state (see checkpoints.Checkpointer)
+STATE_ITEM = checkpoints.STATE_ITEM  # orbax item of the train state
+STEP_SPECS = ("latest", "latest-good", "best")  # besides a step number
+
+
+class StepSpecError(ValueError):
+    """A step spec that is none of `STEP_SPECS` nor a step number, or names no checkpoint."""
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _read_params(step_dir: str, sharding: jax.sharding.Sharding) -> Any:
@@ -54,71 +69,184 @@ def verify_params(params: Any, meta: dict[str, Any], where: str) -> None:
     now = checkpoints.tree_checksums(params)
     bad = [k for k, v in now.items() if saved.get(f".{PARAMS}{k}", v) != v]
     if bad:
+        reason = (
+            f"{len(bad)} parameter array(s) differ from their saved checksums (first: {bad[0]})"
+        )
         raise checkpoints.CheckpointIntegrityError(
-            f"{where} is corrupted: {len(bad)} parameter array(s) differ from their saved "
-            f"checksums (first: {bad[0]}); restore an earlier step or delete this one"
+            f"{where} is corrupted: {reason}; restore an earlier step or delete this one", reason
         )
 
 
-def _steps_to_read(ckpt: checkpoints.Checkpointer, step: int | None, average: int) -> list[int]:
-    """The checkpoint steps whose parameters are averaged, in step order."""
-    steps = ckpt.all_steps()
+def parse_step(spec: str | int | None) -> int | str:
+    """A step spec as a step number or one of `STEP_SPECS` (None is "latest").
+
+    Raises:
+      StepSpecError: anything else.
+    """
+    if spec is None:
+        return "latest"
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
+        return spec
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text.isdigit():
+            return int(text)
+        if text in STEP_SPECS:
+            return text
+    raise StepSpecError(
+        f"--step {spec!r} is not a checkpoint: pass latest, latest-good, best, or a step number"
+    )
+
+
+def resolve_step(
+    workdir: str, spec: str | int | None, *, log: Callable[[str], None] = _warn
+) -> int:
+    """The checkpoint step a spec names in `workdir`.
+
+    Args:
+      spec: None or "latest": the newest complete step; a step number (int or
+        digits); "best": the best step by the metric the run ranked its
+        checkpoints with (meta "best_metric"/"best_mode", default loss, lower
+        is better); "latest-good": the newest step whose parameters restore and
+        verify, logging one warning per newer unusable step (nothing is moved:
+        decoding leaves the workdir as it is).
+    Raises:
+      StepSpecError: `spec` is no step spec, or "best" without any checkpoint
+        saved with validation metrics.
+      FileNotFoundError: no checkpoint, or none for that step number.
+      CheckpointIntegrityError: "latest-good" with no usable checkpoint.
+    """
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return _resolve(workdir, parse_step(spec), sharding, log)[0]
+
+
+def _resolve(
+    workdir: str, spec: int | str, sharding: jax.sharding.Sharding, log
+) -> tuple[int, Any]:
+    """(step, its verified params if reading them was how it was found, else None)."""
+    directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+    steps = checkpoints.list_steps(workdir)
     if not steps:
-        raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise FileNotFoundError(
-            f"no checkpoint for step {step} in {ckpt.directory}; available steps: "
-            + ", ".join(map(str, steps))
+        raise FileNotFoundError(f"no checkpoint in {directory}")
+    if spec == "latest":
+        return steps[-1], None
+    if isinstance(spec, int):
+        if spec not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {spec} in {directory}; available steps: "
+                + ", ".join(map(str, steps))
+            )
+        return spec, None
+    if spec == "best":
+        return _best(workdir, steps), None
+    bad = []
+    for step in reversed(steps):
+        try:
+            params = _read_verified(workdir, step, sharding)
+        except checkpoints.CheckpointFormatError:
+            raise
+        except Exception as e:
+            if checkpoints.is_out_of_memory(e):
+                raise
+            bad.append((step, checkpoints.short_reason(e)))
+            continue
+        for s, why in bad:
+            log(f"warning: checkpoint {s} in {directory} is unusable ({why}); using step {step}")
+        return step, params
+    listed = ", ".join(str(s) for s, _ in bad)
+    verb = "is" if len(bad) == 1 else "are all"
+    raise checkpoints.CheckpointIntegrityError(
+        f"no usable checkpoint in {directory}: step{'s' * (len(bad) > 1)} {listed} {verb} "
+        f"unusable (first, {bad[0][0]}: {bad[0][1]}); pass another --workdir"
+    )
+
+
+def _best(workdir: str, steps: list[int]) -> int:
+    metrics, metric, mode = {}, "loss", "min"
+    for step in steps:
+        try:
+            meta = checkpoints.read_meta(workdir, step)
+        except checkpoints.CheckpointIntegrityError:
+            continue  # an unreadable step cannot be ranked
+        if meta.get("metrics"):
+            metrics[step] = meta["metrics"]
+            metric, mode = meta.get("best_metric", metric), meta.get("best_mode", mode)
+    best = checkpoints.best_steps(metrics, metric, mode)
+    if not best:
+        directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+        what = f"a finite validation {metric!r}" if metrics else "validation metrics"
+        raise StepSpecError(
+            f"{directory} has no checkpoint with {what}; train with train.eval_every > 0, "
+            "or pass --step latest"
         )
-    chosen = [s for s in steps if s <= step][-average:]
+    return best[0]
+
+
+def _read_verified(workdir: str, step: int, sharding: jax.sharding.Sharding) -> Any:
+    """The params of checkpoint `step`, checked against its format and checksums."""
+    directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+    meta = checkpoints.read_meta(workdir, step)
+    checkpoints.check_format(meta, step, directory)
+    params = _read_params(os.path.join(directory, str(step)), sharding)
+    verify_params(params, meta, f"checkpoint {step} in {directory}")
+    return params
+
+
+def _steps_to_average(workdir: str, step: int, average: int) -> list[int]:
+    """The checkpoint steps whose parameters are averaged, in step order."""
+    directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+    chosen = [s for s in checkpoints.list_steps(workdir) if s <= step][-average:]
     if len(chosen) < average:
         raise FileNotFoundError(
             f"averaging {average} checkpoints needs {average} up to step {step}, but "
-            f"{ckpt.directory} has {len(chosen)}: {', '.join(map(str, chosen))}"
+            f"{directory} has {len(chosen)}: {', '.join(map(str, chosen))}"
         )
     return chosen
 
 
 def restore_params(
     workdir: str,
-    step: int | None = None,
+    step: str | int | None = None,
     average: int = 1,
     *,
     sharding: jax.sharding.Sharding | None = None,
+    log: Callable[[str], None] = _warn,
 ) -> tuple[Any, dict[str, Any]]:
     """Parameters of a training workdir's checkpoint, and its run config.
 
     Args:
-      step: the checkpoint to read (default: the latest).
+      step: a step spec (see `resolve_step`; default: the latest).
       average: > 1: the mean parameters of the last `average` checkpoints up
         to `step` (checkpoint averaging, as fairseq's average_checkpoints.py;
         it usually adds a little BLEU at no training cost), summed in float32
         and cast back to each leaf's dtype.
       sharding: where every leaf is placed (default: the first local device).
+      log: where "latest-good" warns about the unusable steps it skips.
     Returns:
       (params: the nested dict of arrays the model was trained with, the run
       config dict saved in the workdir).
     Raises:
       WorkdirError: not a training workdir.
+      StepSpecError: `step` is no step spec.
       FileNotFoundError: no such checkpoint, or fewer than `average` up to `step`.
-      CheckpointIntegrityError: some parameter's bytes differ from their saved checksum.
+      CheckpointFormatError: the checkpoint was written in a newer format.
+      CheckpointIntegrityError: some parameter's bytes differ from their saved
+        checksum; or see `resolve_step`.
     """
     if average < 1:
         raise ValueError(f"average must be >= 1, got {average}")
     run_config = checkpoints.load_run_config(workdir)
+    spec = parse_step(step)
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    ckpt = checkpoints.Checkpointer(workdir, keep=1 << 30, save_every=0)
-    try:
-        total, last = None, None
-        for s in _steps_to_read(ckpt, step, average):  # one checkpoint in memory at a time
-            last = _read_params(os.path.join(ckpt.directory, str(s)), sharding)
-            verify_params(last, ckpt.read_meta(s), f"checkpoint {s} in {ckpt.directory}")
-            if average == 1:
-                return last, run_config
-            as_f32 = jax.tree.map(lambda x: x.astype(jnp.float32), last)
-            total = as_f32 if total is None else jax.tree.map(jnp.add, total, as_f32)
-    finally:
-        ckpt.close()
+    chosen_step, read = _resolve(workdir, spec, sharding, log)
+    total, last = None, None
+    for s in _steps_to_average(workdir, chosen_step, average):  # one in memory at a time
+        last = read if s == chosen_step and read is not None else None
+        if last is None:
+            last = _read_verified(workdir, s, sharding)
+        if average == 1:
+            return last, run_config
+        as_f32 = jax.tree.map(lambda x: x.astype(jnp.float32), last)
+        total = as_f32 if total is None else jax.tree.map(jnp.add, total, as_f32)
     mean = jax.tree.map(lambda t, x: (t / average).astype(x.dtype), total, last)
     return mean, run_config

@@ -14,7 +14,7 @@ class Options:
     """The flag values of decode.py (see its flag help for each)."""
 
     workdir: str
-    step: int | None = None
+    step: str | int | None = None  # a step spec: see training.restore.resolve_step
     average: int = 1
     input: str | None = None
     output: str | None = None
@@ -73,8 +73,9 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     mistake still prints one line).
 
     Raises:
-      InputError, WorkdirError, FileNotFoundError, CheckpointIntegrityError:
-        with a message that says what to change.
+      InputError, WorkdirError, FileNotFoundError, StepSpecError,
+        CheckpointIntegrityError, CheckpointFormatError: with a message that says
+        what to change.
     """
     from flaxformer_lite.training import restore
 
@@ -104,7 +105,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     sources = runner.tokenize_lines(tokenizer, lines, max_source_len, strict=o.strict)
     for warning in reports.input_warnings(num_invalid, sources, max_source_len):
         log(warning)
-    params, _ = restore.restore_params(o.workdir, o.step, average=o.average)
+    params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
     on_inputs_checked()
     model = build_model(run_config)
     if o.score:

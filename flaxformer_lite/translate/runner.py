@@ -35,29 +35,39 @@ from flaxformer_lite.translate.reports import bleu_report, check_line_counts  # 
 # Workdir and search settings.
 
 
-def open_workdir(workdir: str, step: int | None = None) -> tuple[dict, Vocabularies]:
+def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Vocabularies]:
     """Checks a training workdir cheaply before the model is restored.
 
+    Args:
+      step: a step spec (`restore.resolve_step`): checked here when that is
+        cheap (a number, "latest", "best"); "latest-good" is left to the restore,
+        which reads the parameters anyway.
     Returns:
       (run config dict, the run's source and target vocabularies).
     Raises:
-      WorkdirError / FileNotFoundError whose messages name the fix.
+      WorkdirError / FileNotFoundError / StepSpecError / CheckpointIntegrityError
+        whose messages name the fix.
     """
+    from flaxformer_lite.training import restore
+
     if not os.path.isdir(workdir):
         raise checkpoints.WorkdirError(
             f"workdir {workdir!r} does not exist; run train.py --workdir {workdir} first, "
             "or pass the --workdir that train.py wrote"
         )
+    spec = restore.parse_step(step)
     run_config = checkpoints.load_run_config(workdir)
     ckpt_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
     steps = checkpoints.list_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; run train.py --workdir {workdir}")
-    if step is not None and step not in steps:
+    if isinstance(spec, int) and spec not in steps:
         raise FileNotFoundError(
-            f"no checkpoint for --step {step} in {ckpt_dir}; available steps: "
+            f"no checkpoint for --step {spec} in {ckpt_dir}; available steps: "
             + ", ".join(map(str, steps))
         )
+    if spec == "best":
+        restore.resolve_step(workdir, spec)
     try:
         vocab = tokenizer_lib.Vocabularies.load(workdir)
     except FileNotFoundError as e:

@@ -1,0 +1,191 @@
+"""Workdir ownership, and whether checkpoints can be written there.
+
+Layout of a workdir:
+
+  workdir/
+    run_config.json      the full run config of the run that made it (marks ownership)
+    checkpoints/<step>/  orbax checkpoints (see checkpoints.py)
+    checkpoints-corrupt/<step>/  checkpoints found unusable when resuming, moved
+                         aside (never deleted)
+    vocab.spm            the shared tokenizer, or vocab.source.spm and
+                         vocab.target.spm (see data/tokenizer.py: Vocabularies)
+    metrics.jsonl        one JSON object per logged step / evaluation
+    tensorboard/         event files
+
+A run only writes into a workdir that is empty, new, or carries a
+`run_config.json` whose model has the same parameter shapes as its own;
+anything else is refused with a `WorkdirError`, and nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from flaxformer_lite import files
+
+# {parameter path: (shape, dtype name)}, as `training.state.param_shapes` returns.
+ParamShapes = Mapping[str, tuple[tuple[int, ...], str]]
+
+RUN_CONFIG = "run_config.json"
+CHECKPOINT_DIR = "checkpoints"
+
+
+class WorkdirError(RuntimeError):
+    """The workdir cannot be used as asked; the message says why and what to do."""
+
+
+def claim_workdir(
+    workdir: str,
+    run_config: dict[str, Any],
+    param_shapes: ParamShapes,
+    saved_param_shapes: Callable[[dict[str, Any]], ParamShapes],
+) -> bool:
+    """Makes sure `workdir` belongs to this run; returns True if it already had a run.
+
+    A workdir's run is resumed when its model has the same parameters (paths,
+    shapes and dtypes) as this run's: changes that keep them, such as a dropout
+    rate, resume; any other change is refused.
+
+    Args:
+      workdir: directory path (created if missing).
+      run_config: JSON-friendly full config (`run_config.to_saved_dict`).
+      param_shapes: this run's {parameter path: (shape, dtype name)}
+        (`training.state.param_shapes`).
+      saved_param_shapes: computes those of a saved run config
+        (`training.loop.saved_param_shapes`).
+    Raises:
+      WorkdirError: the path is a file, a non-empty foreign directory, or a
+        workdir whose model has other parameters.
+    """
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise WorkdirError(f"workdir {workdir!r} is a file; pass --workdir a directory path")
+    marker = os.path.join(workdir, RUN_CONFIG)
+    if os.path.isdir(workdir) and not os.path.exists(marker) and os.listdir(workdir):
+        raise WorkdirError(
+            f"workdir {workdir!r} is not empty and was not made by this library (no "
+            f"{RUN_CONFIG}); pass a new or empty directory as --workdir"
+        )
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as f:
+            try:
+                previous = json.load(f)
+            except json.JSONDecodeError as e:
+                raise WorkdirError(
+                    f"{marker} is not valid JSON ({e}); restore it or use another --workdir"
+                ) from e
+        try:
+            old = saved_param_shapes(previous)
+        except (KeyError, TypeError, ValueError) as e:
+            raise WorkdirError(
+                f"workdir {workdir!r} holds a run config whose model cannot be built here "
+                f"({type(e).__name__}: {e}); pass a new --workdir"
+            ) from e
+        diffs = shape_differences(old, param_shapes)
+        if diffs:
+            more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+            before, now = previous.get("model", {}), run_config.get("model", {})
+            fields = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+            raise WorkdirError(
+                f"workdir {workdir!r} holds a model with other parameters ("
+                + "; ".join(diffs[:3])
+                + more
+                + (f"; model fields changed: {', '.join(fields)}" if fields else "")
+                + "); use the same model config to resume, or pass a new --workdir"
+            )
+        return True
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+        files.atomic_write(marker, json.dumps(run_config, indent=2, sort_keys=True).encode())
+    return False
+
+
+def shape_differences(there: ParamShapes, here: ParamShapes) -> list[str]:
+    """One "path: <there> there vs <here> here" per parameter that differs, in path order."""
+
+    def show(entry):
+        return "absent" if entry is None else f"{tuple(entry[0])} {entry[1]}"
+
+    out = []
+    for path in sorted(set(there) | set(here)):
+        a, b = there.get(path), here.get(path)
+        if a is None or b is None or (tuple(a[0]), a[1]) != (tuple(b[0]), b[1]):
+            out.append(f"{path}: {show(a)} there vs {show(b)} here")
+    return out
+
+
+def load_run_config(workdir: str) -> dict[str, Any]:
+    """Reads the run config saved in a workdir (for decoding and inspection)."""
+    marker = os.path.join(workdir, RUN_CONFIG)
+    if not os.path.exists(marker):
+        raise WorkdirError(
+            f"{workdir!r} has no {RUN_CONFIG}: it is not a training workdir; "
+            "pass the --workdir that train.py wrote"
+        )
+    with open(marker, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def state_nbytes(tree) -> int:
+    """Bytes of all the leaves of `tree` (arrays or `jax.ShapeDtypeStruct`s), whole arrays.
+
+    For `check_writable`: a save needs about twice this (the previous checkpoint
+    is kept until the new one is verified).
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            total += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def check_writable(workdir: str, need_bytes: int) -> None:
+    """Refuses a workdir where checkpoints cannot be written, before any training.
+
+    A probe file is created and removed in the checkpoint directory, or in its
+    nearest existing ancestor (nothing is left behind or created: a new workdir
+    stays new for `claim_workdir`), and the free space is compared with
+    `need_bytes` (`2 * state_nbytes(state)`: the new checkpoint, with the
+    previous one kept until it is verified).
+
+    Raises:
+      WorkdirError: the directory cannot be created or written, or has less
+        than `need_bytes` free.
+    """
+    directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+    existing = directory
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):
+            raise WorkdirError(
+                f"cannot write checkpoints to {directory}: {existing} is not a directory; "
+                "pass another --workdir"
+            )
+        existing = os.path.dirname(existing)
+    probe = os.path.join(existing, f".write-probe-{jax.process_index()}-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0")
+        os.remove(probe)
+    except OSError as e:
+        raise WorkdirError(
+            f"cannot write checkpoints to {directory}: {e.strerror or e} in {existing}; "
+            "make it writable or pass another --workdir"
+        ) from None
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        raise WorkdirError(
+            f"workdir {workdir} has {_mb(free)} free, but a checkpoint needs about "
+            f"{_mb(need_bytes)} (twice the train state, since the previous one is kept until "
+            "the new one is verified); free space or pass another --workdir"
+        )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n < 1e7 else f"{n / 1e6:,.0f} MB"
