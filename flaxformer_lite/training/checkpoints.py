@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import math
 import os
 import re
@@ -34,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from flaxformer_lite import files
 
 # Workdir names, re-exported: they lived here before workdir.py.
 from flaxformer_lite.training.workdir import (  # noqa: F401
@@ -428,6 +431,25 @@ class Checkpointer:
         self._metrics[step] = meta.get("metrics")
         self._apply_retention()
         return True
+
+    def record_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Adds validation metrics to the saved step `step` (measured after it was saved),
+        so that it is ranked among the best; retention then runs again.
+
+        Only the meta item's JSON file changes (written atomically); the state and
+        its checksums are untouched. A step that no longer exists is ignored.
+        """
+        if step not in self.all_steps():
+            return
+        meta = self.read_meta(step)
+        meta["metrics"] = {k: float(v) for k, v in metrics.items()}
+        meta["best_metric"], meta["best_mode"] = self.best_metric, self.best_mode
+        if jax.process_index() == 0:
+            path = os.path.join(self.directory, str(step), META_ITEM, "metadata")
+            files.atomic_write(path, json.dumps(meta).encode())
+        _barrier(f"metrics of step {step}")
+        self._metrics[step] = meta["metrics"]
+        self._apply_retention()
 
     def _write(self, step: int, state, meta: dict[str, Any]) -> None:
         """Writes the two items of `step` (a seam for tests to corrupt a write)."""
