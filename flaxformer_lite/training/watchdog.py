@@ -113,6 +113,10 @@ class Watchdog:
 
     def limit(self, kind: str) -> float | None:
         """Seconds the next activity of `kind` may run; None: no limit (no history yet)."""
+        with self._lock:
+            return self._limit(kind)
+
+    def _limit(self, kind: str) -> float | None:  # with the lock held
         history = self._history.get(kind)
         if not self.enabled or not history:
             return None
@@ -127,7 +131,7 @@ class Watchdog:
                 raise RuntimeError(
                     f"watchdog: {what!r} started while {self._current[1]!r} is still running"
                 )
-            self._current = (kind, what, time.monotonic(), self.limit(kind))
+            self._current = (kind, what, time.monotonic(), self._limit(kind))
 
     def done(self) -> None:
         """Ends the activity in progress; its duration joins the history of its kind."""
