@@ -46,6 +46,16 @@ def define_flags() -> None:
         None,
         "Multi-host: this process, 0 .. num_processes - 1 (default: $JAX_PROCESS_ID).",
     )
+    flags.DEFINE_integer(
+        "heartbeat_timeout_s",
+        100,
+        "Multi-host: a process that sends no heartbeat for this many seconds (it died, or its "
+        "host is unreachable) is declared dead and the JAX runtime ends the other processes, "
+        "instead of leaving them hanging in the next collective; restarting them all resumes "
+        "from the last checkpoint. Heartbeats come from a runtime thread, so a long step or "
+        "compilation does not miss them.",
+        lower_bound=1,
+    )
 
 
 @cli.friendly_errors
@@ -66,7 +76,10 @@ def main(argv):
     try:
         # Before anything touches devices: the processes must first find each other.
         partitioning.initialize_distributed(
-            FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
+            FLAGS.coordinator_address,
+            FLAGS.num_processes,
+            FLAGS.process_id,
+            heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
         )
     except partitioning.DistributedError as e:
         cli.fail(str(e))

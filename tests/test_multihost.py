@@ -1,9 +1,11 @@
-"""Multi-process data parallelism: two processes train like one, and a dead peer ends the job.
+"""Multi-process data parallelism: two processes train like one, a dead peer ends the job
+within the heartbeat timeout, and the restarted job resumes from its last checkpoint.
 
 Also: each process reads its own rows of every batch, and bad setups fail with one line.
 The job tests start real JAX processes on 127.0.0.1 (gloo collectives, 2 simulated
 CPU devices each) in subprocesses with timeouts, since a process whose peer
-dies is terminated by the JAX runtime.
+dies is terminated by the JAX runtime. The peers are killed with SIGKILL: a
+process that is told to stop may save a checkpoint first, a killed one cannot.
 """
 
 import json
@@ -13,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,8 +23,11 @@ from conftest import ROOT, assert_params_close, tiny_config
 from test_sharding import _train
 
 from flaxformer_lite import datasets, run_config
+from flaxformer_lite.config import ConfigError
 from flaxformer_lite.data import numbers, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training import checkpoints, loop
 
 PROCESSES, LOCAL_DEVICES = 2, 2
 
@@ -33,7 +39,7 @@ sys.path.insert(0, {root!r} + "/tests")
 from flaxformer_lite.parallel import partitioning
 partitioning.initialize_distributed(
     {address!r}, {processes}, {index}, local_device_count={local},
-    initialization_timeout_s=60, heartbeat_timeout_s={heartbeat}, shutdown_timeout_s=30,
+    initialization_timeout_s=60, shutdown_timeout_s=30,
 )
 import jax
 import numpy as np
@@ -57,12 +63,6 @@ if jax.process_index() == 0:
     np.savez({out!r}, **leaves)
 """
 
-# Trains "forever" (until a peer is killed).
-TRAIN_LONG = """
-config = tiny_config({tfds!r}, num_steps=100_000, checkpoint_every=0, log_every=1)
-loop.train_and_evaluate(config, {workdir!r})
-"""
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -70,7 +70,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(body: str, tmp_path, *, heartbeat: int = 100, **fields) -> list[subprocess.Popen]:
+def _launch(body: str, tmp_path, **fields) -> list[subprocess.Popen]:
     """Starts the processes of one job; their output goes to tmp_path/process_<i>.log."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # local_device_count sets the device count
@@ -83,7 +83,6 @@ def _launch(body: str, tmp_path, *, heartbeat: int = 100, **fields) -> list[subp
             processes=PROCESSES,
             index=index,
             local=LOCAL_DEVICES,
-            heartbeat=heartbeat,
             body=body.format(**fields),
         )
         log = open(tmp_path / f"process_{index}.log", "w")  # noqa: SIM115 (closed by the child)
@@ -163,27 +162,121 @@ def test_two_processes_train_like_one(prepared_tfds, tmp_path):
     assert_params_close(two, one)
 
 
-def test_dead_peer_ends_the_job(prepared_tfds, tmp_path):
-    workdir = tmp_path / "run"
-    procs = _launch(TRAIN_LONG, tmp_path, heartbeat=10, tfds=prepared_tfds, workdir=str(workdir))
+HEARTBEAT_S = 5  # short, so that a dead peer is declared dead soon
+# From the last heartbeat the service saw to the survivor's exit: the service checks its
+# deadlines every second or so, and two loaded cores may delay any process by seconds.
+EXIT_MARGIN_S = 15
+
+
+def _launch_train_py(tmp_path, tfds_dir: str, workdir: str, num_steps: int):
+    """Starts train.py as each process of a job; the output goes to tmp_path/process_<i>.log.
+
+    The tiny config with a checkpoint every 2 steps; every process gets the same
+    arguments but its --process_id, as on a cluster.
+    """
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"]),
+    )
+    args = [
+        "--config=configs/tiny.py",
+        f"--workdir={workdir}",
+        f"--config.data.tfds_dir={tfds_dir}",
+        "--config.train.tensorboard=False",
+        "--config.train.num_examples_to_print=0",
+        "--config.train.checkpoint_every=2",
+        f"--config.train.num_steps={num_steps}",
+        f"--coordinator_address=127.0.0.1:{_free_port()}",
+        f"--num_processes={PROCESSES}",
+        f"--heartbeat_timeout_s={HEARTBEAT_S}",
+    ]
+    procs = []
+    for index in range(PROCESSES):
+        log = open(tmp_path / f"process_{index}.log", "w")  # noqa: SIM115 (closed by the child)
+        command = [sys.executable, "train.py", *args, f"--process_id={index}"]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log))
+        log.close()
+    return procs
+
+
+def _wait_for(done: Callable[[], bool], procs, tmp_path, what: str, timeout: float = 120) -> None:
+    """Polls `done` while every process of the job still runs."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        for index, p in enumerate(procs):
+            log = (tmp_path / f"process_{index}.log").read_text()
+            assert p.poll() is None, f"process {index} exited with {p.returncode}:\n{log[-3000:]}"
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.1)
+
+
+def _kill_and_wait(procs, victim: int) -> tuple[int, float]:
+    """SIGKILLs process `victim`; (exit status of the other, seconds it took to exit)."""
+    procs[victim].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = procs[1 - victim].wait(timeout=HEARTBEAT_S + 90)
+    return code, time.monotonic() - killed
+
+
+@pytest.mark.parametrize(
+    "victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["worker", "coordinator"]
+)
+def test_dead_peer_ends_the_job(prepared_tfds, tmp_path, victim):
+    """The survivor exits non-zero within the heartbeat timeout, with JAX's reason, and
+    the last complete checkpoint restores (the restarted job is the slow test below).
+
+    A dead worker: the coordination service (in process 0) misses its heartbeats
+    for --heartbeat_timeout_s and tells process 0, whose client aborts. A dead
+    process 0: the others lose the service's connection and abort at once.
+    """
+    workdir = str(tmp_path / "run")
+    procs = _launch_train_py(tmp_path, prepared_tfds, workdir, num_steps=100_000)
     try:
-        metrics = workdir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.stat().st_size):  # training steps are running
-            assert all(p.poll() is None for p in procs), (tmp_path / "process_0.log").read_text()
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.5)
-        procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        code = procs[0].wait(timeout=90)
-        waited = time.monotonic() - killed
+        _wait_for(lambda: checkpoints.list_steps(workdir), procs, tmp_path, "a checkpoint")
+        code, waited = _kill_and_wait(procs, victim)
+    finally:
+        _stop(procs)
+    print(f"survivor exited {waited:.1f} s after the kill")
+    log = (tmp_path / f"process_{1 - victim}.log").read_text()
+    assert code == -signal.SIGABRT, log[-3000:]  # LOG(FATAL) in JAX's client
+    assert waited < HEARTBEAT_S + EXIT_MARGIN_S, waited
+    assert "another task died" in log, log[-3000:]
+    if victim == 1:
+        assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in log
+    else:
+        assert "Either the leader task was preempted/died/restarted unexpectedly" in log
+    _, state, _, _ = loop.restore_trained(workdir)
+    assert int(state.step) == checkpoints.list_steps(workdir)[-1]
+
+
+@pytest.mark.slow
+def test_a_killed_job_restarted_resumes_from_its_last_checkpoint(prepared_tfds, tmp_path):
+    """One process SIGKILLed after a few checkpoints; both restarted with the same arguments."""
+    workdir, steps = str(tmp_path / "run"), 16
+    first = tmp_path / "first"
+    first.mkdir()
+    procs = _launch_train_py(first, prepared_tfds, workdir, steps)
+    try:
+        reached_4 = lambda: max(checkpoints.list_steps(workdir), default=0) >= 4
+        _wait_for(reached_4, procs, first, "checkpoint 4")
+        code, _ = _kill_and_wait(procs, victim=1)
+    finally:
+        _stop(procs)
+    assert code != 0
+    last = checkpoints.list_steps(workdir)[-1]  # a save cut short does not count
+    assert 4 <= last < steps
+    procs = _launch_train_py(tmp_path, prepared_tfds, workdir, steps)
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
     finally:
         _stop(procs)
     log = (tmp_path / "process_0.log").read_text()
-    assert code != 0, log[-3000:]
-    assert waited < 60, waited
-    # The JAX runtime names the cause (heartbeats stopped) or the broken collective.
-    assert "another task died" in log or "Connection reset by peer" in log, log[-3000:]
+    assert codes == [0, 0], log[-3000:]
+    assert f"resumed from step {last} in " in log
+    assert f"step {steps} test:" in log
+    assert checkpoints.list_steps(workdir)[-1] == steps
 
 
 def _train_cli(tmp_path, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
@@ -211,6 +304,13 @@ def test_bad_multihost_setups_fail_with_one_line(tmp_path):
     assert result.stderr.strip() == (
         "error: process_id must be in [0, num_processes), got process_id=5, num_processes=2"
     )
+    result = _train_cli(tmp_path, "--heartbeat_timeout_s=0")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == (
+        "error: flag --heartbeat_timeout_s=0: 0 is not a positive integer; see --help"
+    )
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s must be >= 1 second, got 0"):
+        partitioning.initialize_distributed("127.0.0.1:1234", 2, 1, heartbeat_timeout_s=0)
     result = _train_cli(tmp_path, "--config.train.batch_size=6", devices=4)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip() == (

@@ -4,6 +4,33 @@ Several processes (hosts) form one job after `initialize_distributed`; the
 device mesh (`partitioning.make_mesh`) then spans every process's devices.
 `process_0_first` runs a step on process 0 before the others, so that they
 read what it wrote.
+
+When a process dies, JAX's coordination service (run by process 0) ends the
+job instead of leaving the others blocked in their next collective. With a
+dead process k > 0, the service declares it dead once `heartbeat_timeout_s`
+has passed since its last heartbeat, and every other process aborts (SIGABRT:
+status 134 in a shell) with, on stderr:
+
+  E... coordination_service.cc:...] ... UNAVAILABLE: The following tasks are
+  unhealthy (stopped sending heartbeats):
+  k
+  F... client.h:80] Terminating process because the JAX distributed service
+  detected fatal errors. This most likely indicates that another task died;
+  see the other task logs for more details. ...
+
+then a C++ stack trace and (train.py: absl turns on faulthandler) "Fatal
+Python error: Aborted" with every Python thread's stack. A dead process 0
+takes the service with it: the others abort at once with the same F line and
+"Failed to send RPC to coordination service. Either the leader task was
+preempted/died/restarted unexpectedly ...". Restarting every process with the
+same arguments resumes from the last complete checkpoint.
+
+The message is the runtime's: JAX 0.10 has no hook to replace it.
+`jax.distributed.initialize` passes no `missed_heartbeat_callback` to the
+runtime client, and a client given a Python one aborts with std::bad_cast
+when it calls it. A process that hangs while alive keeps sending heartbeats
+(a runtime thread sends them), so this does not end a job stuck on such a
+peer; `training.watchdog` does.
 """
 
 from __future__ import annotations
@@ -167,9 +194,10 @@ def initialize_distributed(
         (as XLA_FLAGS=--xla_force_host_platform_device_count); accelerators
         always use all their local devices.
       initialization_timeout_s: how long processes wait for each other at start.
-      heartbeat_timeout_s: a process silent this long is declared dead, and
-        the runtime then terminates all the others (instead of a hang in the
-        next collective).
+      heartbeat_timeout_s: a process silent this long (seconds, >= 1) is
+        declared dead, and the runtime then aborts all the others instead of
+        letting them hang in the next collective (see the module docstring
+        for what they print). JAX's default is 100.
       shutdown_timeout_s: how long an exiting process waits for the others.
     Raises:
       ConfigError: inconsistent arguments.
@@ -178,6 +206,8 @@ def initialize_distributed(
         Process 0 waiting for peers that never come is aborted by JAX after
         `initialization_timeout_s` (DEADLINE_EXCEEDED on stderr).
     """
+    if heartbeat_timeout_s < 1:
+        raise ConfigError(f"heartbeat_timeout_s must be >= 1 second, got {heartbeat_timeout_s}")
     _set_local_device_count(local_device_count)
     job = _resolve_job(coordinator_address, num_processes, process_id)
     if job is None or jax.distributed.is_initialized():
