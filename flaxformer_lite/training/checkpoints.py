@@ -141,19 +141,20 @@ def best_steps(
     """The `count` best steps by `metrics[step][metric]` ("min" or "max"), best first.
 
     Steps without a finite value of `metric` are no candidates; of equal values
-    the later step wins.
+    the earlier step wins (as in early stopping, where only a strict improvement
+    makes a new best).
     """
     if mode not in ("min", "max"):
         raise ValueError(f"best mode must be 'min' or 'max', got {mode!r}")
     sign = 1.0 if mode == "min" else -1.0
     ranked = sorted(
-        (sign * float(m[metric]), -step)
+        (sign * float(m[metric]), step)
         for step, m in metrics.items()
         if isinstance(m, Mapping)
         and isinstance(m.get(metric), int | float)
         and math.isfinite(m[metric])
     )
-    return [-neg_step for _, neg_step in ranked[:count]]
+    return [step for _, step in ranked[:count]]
 
 
 def short_reason(e: BaseException) -> str:

@@ -1,6 +1,8 @@
 """Metrics to disk: one JSON object per line and TensorBoard event files.
 
-Only process 0 writes; other processes get a writer that does nothing.
+Only process 0 writes; other processes get a writer that does nothing. A record
+is appended with one write and rolled back if the write fails (a full disk), so
+the file never holds a torn line, and the failure is one `WorkdirError`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import jax
 
+from flaxformer_lite.training.workdir import WorkdirError
+
 
 class MetricWriter:
     """Appends {"step", "split", "time", metrics...} to `metrics.jsonl` and logs scalars."""
@@ -23,8 +27,8 @@ class MetricWriter:
         self._tb = None
         if not self._enabled:
             return
-        path = os.path.join(workdir, "metrics.jsonl")
-        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._path = os.path.join(workdir, "metrics.jsonl")
+        self._jsonl = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -39,11 +43,24 @@ class MetricWriter:
             record[k] = v if math.isfinite(v) else str(v)
             if self._tb is not None:
                 self._tb.add_scalar(f"{split}/{k}", v, int(step))
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._append((json.dumps(record) + "\n").encode("utf-8"))
+
+    def _append(self, data: bytes) -> None:
+        start = os.lseek(self._jsonl, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._jsonl, view) :]
+        except OSError as e:
+            os.ftruncate(self._jsonl, start)  # no torn line
+            raise WorkdirError(
+                f"could not append to {self._path} ({e.strerror}); the checkpoints are not "
+                "affected: free disk space there, then rerun the same command to resume"
+            ) from e
 
     def close(self) -> None:
         if self._jsonl is not None:
-            self._jsonl.close()
+            os.close(self._jsonl)
+            self._jsonl = None
         if self._tb is not None:
             self._tb.close()
