@@ -222,7 +222,7 @@ def compilations():
     max_examples=30,
     deadline=None,
     database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    suppress_health_check=[HealthCheck.too_slow],
 )
 @given(data=hostile_files())
 @example(data=ALL_CASES)
