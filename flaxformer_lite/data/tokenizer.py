@@ -34,6 +34,15 @@ from flaxformer_lite.files import atomic_write
 _MODEL_TYPES = ("unigram", "bpe", "char", "word")
 
 
+class VocabularyFileError(FileNotFoundError):
+    """A vocabulary file that exists but holds no usable SentencePiece model.
+
+    A FileNotFoundError, so that every caller that handles a missing vocabulary (the
+    command lines' one-line errors, decoding's "restore it or rebuild it" advice) handles
+    an unreadable one the same way: both are fixed by restoring or rebuilding the file.
+    """
+
+
 def with_eos(ids: Sequence[int], max_len: int) -> tuple[list[int], bool]:
     """``ids`` + EOS_ID, cut to ``max_len`` ids so that EOS_ID stays last.
 
@@ -150,9 +159,35 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Loads a tokenizer written by :meth:`save`."""
-        with open(path, "rb") as f:
-            return cls.from_bytes(f.read())
+        """Loads a tokenizer written by :meth:`save`.
+
+        The file is parsed as a SentencePiece ``ModelProto`` (protobuf), never executed or
+        unpickled.
+
+        Raises:
+            FileNotFoundError: no such file.
+            VocabularyFileError: the file cannot be read, is not a SentencePiece model, or
+                is one with other reserved ids than this module's.
+        """
+        try:
+            with open(path, "rb") as f:
+                model = f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # a directory, no permission
+            raise VocabularyFileError(
+                f"vocabulary file {os.fspath(path)} cannot be read: {e.strerror}"
+            ) from None
+        try:
+            return cls.from_bytes(model)
+        except RuntimeError:  # SentencePiece's parse failure, whose text names its C++ source
+            reason = "not a SentencePiece model"
+        except ValueError as e:  # a SentencePiece model, with other reserved ids
+            reason = str(e)
+        raise VocabularyFileError(
+            f"vocabulary file {os.fspath(path)} is corrupted: {reason} (to rebuild it, "
+            "delete it first)"
+        )
 
     def to_bytes(self) -> bytes:
         """Returns the serialized SentencePiece ``ModelProto``."""
@@ -346,6 +381,7 @@ class Vocabularies:
         Raises:
             FileNotFoundError: naming the missing file(s); a directory with both
                 a shared and separate vocabularies is refused as ambiguous.
+            VocabularyFileError: a file that is there but unreadable or corrupted.
         """
         shared, separate = (cls.files(directory, s) for s in (True, False))
         have_shared = os.path.exists(shared[0])

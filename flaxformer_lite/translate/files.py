@@ -1,7 +1,8 @@
 """Text lines in and out of decoding: one output line per input line, whatever the bytes.
 
-Input bytes are split on "\\n" only (a trailing "\\r" is dropped), invalid
-UTF-8 is replaced, and output text never contains line or field separators.
+Input bytes are split on "\\n" only (a trailing "\\r" is dropped), bytes that
+are not text (invalid UTF-8, NUL) are replaced and counted, and output text
+never contains line or field separators.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ def read_lines(source: str | os.PathLike | BinaryIO | None) -> tuple[list[str], 
     Args:
       source: a path, a binary file object, or None / "-" for standard input.
     Returns:
-      (lines without their "\\n" / "\\r\\n", number of lines with invalid UTF-8,
-      decoded with U+FFFD in place of the bad bytes). A final newline does not
-      make an extra empty line; an empty file gives [].
+      (lines without their "\\n" / "\\r\\n", number of lines with bytes that are
+      not text: invalid UTF-8 or NUL, each replaced by U+FFFD). A final newline
+      does not make an extra empty line; an empty file gives []. Every other
+      character, other line separators ("\\r", U+2028, "\\x85", "\\v", "\\f")
+      included, stays inside its line.
     """
     if source is None or source == "-":
         data = sys.stdin.buffer.read()
@@ -48,11 +51,14 @@ def read_lines(source: str | os.PathLike | BinaryIO | None) -> tuple[list[str], 
     lines, invalid = [], 0
     for line in raw:
         line = line.removesuffix(b"\r")
+        # NUL is valid UTF-8 but never text: it marks a binary or a UTF-16 file.
+        bad = b"\0" in line
         try:
-            lines.append(line.decode("utf-8"))
+            text = line.decode("utf-8")
         except UnicodeDecodeError:
-            invalid += 1
-            lines.append(line.decode("utf-8", errors="replace"))
+            text, bad = line.decode("utf-8", errors="replace"), True
+        invalid += bad
+        lines.append(text.replace("\0", "\ufffd"))
     return lines, invalid
 
 

@@ -34,11 +34,15 @@ def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> str:
 def input_warnings(num_invalid_utf8: int, sources, max_source_len: int) -> list[str]:
     """One line per kind of bad input, with its count of lines.
 
+    `num_invalid_utf8`: lines with invalid UTF-8 or NUL bytes (`files.read_lines`).
     `sources`: a `runner.Sources` (its num_truncated and num_unknown counts).
     """
     out = []
     if num_invalid_utf8:
-        out.append(f"warning: {num_invalid_utf8} line(s) had invalid UTF-8, replaced by U+FFFD")
+        out.append(
+            f"warning: {num_invalid_utf8} line(s) had invalid UTF-8 or NUL bytes, "
+            "replaced by U+FFFD"
+        )
     if sources.num_truncated:
         out.append(
             f"warning: {sources.num_truncated} line(s) longer than {max_source_len} source "
