@@ -382,9 +382,6 @@ def test_corrupted_vocabulary_is_refused_in_one_line(workdir, tmp_path, case):
         assert ("cannot be read" if case == "directory" else "is corrupted") in message
 
 
-@pytest.mark.xfail(
-    strict=True, reason="checkpoints.load_run_config returns whatever JSON the file holds"
-)
 @pytest.mark.parametrize("content", [b"{", b"\xff", b"[1, 2]", b'"run"', b"null", b"{}"])
 def test_run_config_that_is_not_a_json_object_is_refused(workdir, tmp_path, content):
     from flaxformer_lite.training import checkpoints

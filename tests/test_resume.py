@@ -17,6 +17,7 @@ STEPS, STOP = 8, 4  # the resumed run stops after STOP steps, then continues to 
 def _config(tfds_dir, batching, num_steps):
     config = tiny_config(tfds_dir, num_steps=num_steps, checkpoint_every=STOP, log_every=1)
     config.data.batching = batching
+    config.model.dropout_rate = 0.1  # dropout keys must follow the step across the resume
     config.train.num_examples_to_print = 0
     return config
 

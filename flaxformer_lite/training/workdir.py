@@ -74,13 +74,7 @@ def claim_workdir(
             f"{RUN_CONFIG}); pass a new or empty directory as --workdir"
         )
     if os.path.exists(marker):
-        with open(marker, encoding="utf-8") as f:
-            try:
-                previous = json.load(f)
-            except json.JSONDecodeError as e:
-                raise WorkdirError(
-                    f"{marker} is not valid JSON ({e}); restore it or use another --workdir"
-                ) from e
+        previous = _read_run_config(marker, "or use another --workdir")
         try:
             old = saved_param_shapes(previous)
         except (KeyError, TypeError, ValueError) as e:
@@ -129,8 +123,25 @@ def load_run_config(workdir: str) -> dict[str, Any]:
             f"{workdir!r} has no {RUN_CONFIG}: it is not a training workdir; "
             "pass the --workdir that train.py wrote"
         )
-    with open(marker, encoding="utf-8") as f:
-        return json.load(f)
+    return _read_run_config(marker, "or pass the --workdir that train.py wrote")
+
+
+def _read_run_config(marker: str, fix: str) -> dict[str, Any]:
+    """The JSON object in `marker`, or a WorkdirError naming what is wrong with the file."""
+    with open(marker, "rb") as f:
+        data = f.read()
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WorkdirError(f"{marker} is not valid JSON ({e}); restore it, {fix}") from None
+    if not isinstance(config, dict) or not all(
+        isinstance(config.get(k), dict) for k in ("model", "data")
+    ):
+        raise WorkdirError(
+            f"{marker} is not a run config (train.py writes a JSON object with model and "
+            f"data sections); restore it, {fix}"
+        )
+    return config
 
 
 def state_nbytes(tree) -> int:

@@ -75,6 +75,15 @@ def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Voc
             f"{e}; restore it, or rerun train.py --workdir {workdir} (the vocabulary is "
             "rebuilt deterministically from the training data)"
         ) from None
+    model = run_config.get("model", {})
+    want = (model.get("vocab_size"), model.get("target_vocab_size") or model.get("vocab_size"))
+    have = (vocab.source.vocab_size, vocab.target.vocab_size)
+    if have != want:
+        raise checkpoints.WorkdirError(
+            f"the vocabulary in {workdir} has {have[0]} source / {have[1]} target pieces, but "
+            f"the model was trained with {want[0]} / {want[1]}: it is another run's vocabulary; "
+            "restore the run's own vocab files"
+        )
     return run_config, vocab
 
 
