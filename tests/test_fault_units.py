@@ -142,3 +142,29 @@ def test_first_signal_requests_a_stop_and_the_second_exits_at_once(monkeypatch):
         assert exits == [128 + signal.SIGINT]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     assert "rerun the same command to resume" in str(preemption.Preempted(7, saved=True))
+
+
+def test_a_failed_metrics_append_leaves_no_torn_line(tmp_path, monkeypatch):
+    import errno
+
+    from flaxformer_lite.training.metric_writer import MetricWriter
+    from flaxformer_lite.training.workdir import WorkdirError
+
+    writer = MetricWriter(str(tmp_path), tensorboard=False)
+    writer.write(1, "train", {"loss": 2.5})
+    write = os.write
+
+    def half_then_full(fd, data):  # the disk fills up in the middle of a record
+        write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(WorkdirError, match="No space left on device"):
+        writer.write(2, "train", {"loss": 2.0})
+    monkeypatch.setattr(os, "write", write)
+    writer.write(3, "train", {"loss": 1.5})
+    writer.close()
+    import json
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 3]

@@ -71,24 +71,20 @@ def train_step(
     # A non-finite loss, gradient or updated parameter never reaches the state: the update
     # is dropped (the step still counts, so the data sequence is unchanged), and the loop
     # decides from the "nonfinite" code whether to stop or go on. Selecting the old state
-    # is exact, so a finite step is bit-identical to an unguarded one.
+    # is exact, so a finite step is bit-identical to an unguarded one. One lax.cond picks
+    # the whole state: per-leaf jnp.where compiled ~60% slower (and is no faster to run).
     loss_ok = jnp.isfinite(sums["loss"])
     grad_ok = jnp.isfinite(grad_norm)
     params_ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
     finite = loss_ok & grad_ok & params_ok
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    params, opt_state = jax.lax.cond(
+        finite, lambda: (params, opt_state), lambda: (state.params, state.opt_state)
+    )
     sums = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), sums)
     sums["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
     code = jnp.where(loss_ok, jnp.where(grad_ok, jnp.where(params_ok, 0.0, 3.0), 1.0), 2.0)
     sums["nonfinite"] = code
-    return (
-        state.replace(
-            step=state.step + 1,
-            params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
-        ),
-        sums,
-    )
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
 def jit_train_step(
