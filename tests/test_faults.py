@@ -149,15 +149,17 @@ def _tmpfs(path, size):
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
 
 
-def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tfds_dir, tmp_path, monkeypatch):
+def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
+    trained, tfds_dir, tmp_path, monkeypatch
+):
     disk = tmp_path / "disk"
     _tmpfs(disk, "8m")
     try:
-        workdir = str(disk / "run")
+        workdir = _copy(trained, disk)
         save = checkpoints.Checkpointer.save
 
         def fill_then_save(self, step, *args, **kwargs):
-            if step == 10:  # the disk fills up between the first and the second checkpoint
+            if step == 30:  # the disk fills up between two checkpoints
                 with open(disk / "filler", "wb") as f:
                     try:
                         while True:
@@ -169,17 +171,16 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tfds_dir, tmp_path, m
 
         monkeypatch.setattr(checkpoints.Checkpointer, "save", fill_then_save)
         # No metrics record between the two saves: the save is what meets the full disk.
-        config = tiny_config(tfds_dir, num_steps=20, checkpoint_every=5, log_every=20)
+        config = tiny_config(tfds_dir, num_steps=30, checkpoint_every=5, log_every=100)
         with pytest.raises(checkpoints.CheckpointWriteError) as e:
             loop.train_and_evaluate(config, workdir, log=quiet)
         assert "\n" not in str(e.value), str(e.value)
-        assert "checkpoint 10" in str(e.value) and "(step 5) is kept" in str(e.value)
-        assert _steps(workdir) == [5]
-        monkeypatch.setattr(checkpoints.Checkpointer, "save", save)
+        assert "checkpoint 30" in str(e.value) and "(step 25) is kept" in str(e.value)
+        assert "No space left on device" in str(e.value)
+        assert _steps(workdir) == [10, 20, 25]  # nothing half-written that a resume would pick
         os.remove(disk / "filler")
-        messages = []
-        loop.train_and_evaluate(config, workdir, log=messages.append)
-        assert any("resumed from step 5" in m for m in messages), messages
+        _, state, _, _ = loop.restore_trained(workdir)
+        assert int(state.step) == 25
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 
@@ -206,16 +207,18 @@ def _wait_for_training(proc, workdir, timeout=120):
         time.sleep(0.2)
 
 
-def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_exactly(trained, tfds_dir, tmp_path):
-    workdir = tmp_path / "run"
-    flags = (
-        "--config.train.num_steps=400",
-        "--config.train.checkpoint_every=0",
-        "--config.train.log_every=1",
-        "--config.model.dropout_rate=0.1",
-    )
+SIGTERM_FLAGS = (
+    "--config.train.num_steps=400",
+    "--config.train.checkpoint_every=0",
+    "--config.train.log_every=1",
+    "--config.model.dropout_rate=0.1",
+)
+
+
+def _preempt(workdir, tfds_dir) -> int:
+    """Runs train.py until it has trained a step, sends SIGTERM; returns the step it saved."""
     proc = subprocess.Popen(
-        _train_cli(workdir, tfds_dir, *flags),
+        _train_cli(workdir, tfds_dir, *SIGTERM_FLAGS),
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.PIPE,
@@ -230,12 +233,29 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_exactly(trained, tfds_
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received: finishing the current step, then saving a checkpoint" in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("preempted at step ") and last.endswith(
         "; checkpoint saved; rerun the same command to resume"
     ), err[-3000:]
     step = int(last.split()[3].rstrip(";"))
     assert 0 < step < 400 and _steps(workdir) == [step]
+    return step
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_0(tfds_dir, tmp_path):
+    workdir = tmp_path / "run"
+    step = _preempt(workdir, tfds_dir)
+    meta = checkpoints.read_meta(str(workdir), step)
+    assert meta["step"] == step and meta["data"]["next_batch"] == step  # resumes at step + 1
+    _, state, _, _ = loop.restore_trained(str(workdir))
+    assert int(state.step) == step
+
+
+@pytest.mark.slow
+def test_sigterm_then_rerun_ends_like_an_uninterrupted_run(tfds_dir, tmp_path):
+    workdir = tmp_path / "run"
+    step = _preempt(workdir, tfds_dir)
     # Finish the run in-process with the same config, and compare with an uninterrupted run.
     config = tiny_config(tfds_dir, num_steps=step + 4, checkpoint_every=0, log_every=1)
     config.model.dropout_rate = 0.1
