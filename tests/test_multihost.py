@@ -279,6 +279,38 @@ def test_a_killed_job_restarted_resumes_from_its_last_checkpoint(prepared_tfds, 
     assert checkpoints.list_steps(workdir)[-1] == steps
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_the_job_at_one_step_with_a_checkpoint(
+    prepared_tfds, tmp_path
+):
+    """A preemption notice may reach one host only: the processes agree on the step,
+    save it together and all exit 0; the restarted job resumes from it."""
+    workdir = str(tmp_path / "run")
+    first = tmp_path / "first"
+    first.mkdir()
+    procs = _launch_train_py(first, prepared_tfds, workdir, num_steps=100_000)
+    try:
+        _wait_for(lambda: checkpoints.list_steps(workdir), procs, first, "a checkpoint")
+        procs[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        _stop(procs)
+    logs = [(first / f"process_{i}.log").read_text() for i in range(PROCESSES)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    last = logs[0].strip().splitlines()[-1]
+    assert last.startswith("preempted at step ") and "checkpoint saved" in last, logs[0][-3000:]
+    step = int(last.split()[3].rstrip(";"))
+    assert checkpoints.list_steps(workdir)[-1] == step
+    procs = _launch_train_py(tmp_path, prepared_tfds, workdir, step + 2)
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        _stop(procs)
+    log = (tmp_path / "process_0.log").read_text()
+    assert codes == [0, 0], log[-3000:]
+    assert f"resumed from step {step} in " in log
+
+
 def _train_cli(tmp_path, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,

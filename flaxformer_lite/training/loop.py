@@ -466,9 +466,11 @@ def train_and_evaluate(
     """
     # tqdm.write keeps log lines from tearing the progress bar.
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
+    # A signal is reported by the process that got it, whichever that is.
+    signals = StopSignals(log) if jax.process_index() == 0 else StopSignals()
     if jax.process_index() != 0:
         log = lambda s: None  # noqa: E731 (one log per job)
-    with StopSignals(log) as signals:
+    with signals:
         run = prepare(config, workdir, log, on_checked)
         run.signals = signals
         try:
