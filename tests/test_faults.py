@@ -123,7 +123,8 @@ def test_early_stopping_keeps_the_best_checkpoint(tfds_dir, tmp_path):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         for r in map(json.loads, f):
             if r["split"] == "validation":
-                matches.setdefault(r["step"], r["exact_match"])
+                assert r["step"] not in matches  # not evaluated twice at the stop
+                matches[r["step"]] = r["exact_match"]
     assert matches == {2: 0.0, 4: 0.0, 6: 0.0}, matches
     stops = [m for m in messages if m.startswith("early stop at step")]
     assert stops == [

@@ -415,7 +415,10 @@ class Checkpointer:
         try:
             self._write(step, state, meta)
         except Exception as e:
-            self._remove_failed(step)
+            # A step that orbax finalized before the failure (e.g. a peer died in the
+            # barrier after the commit) is complete: it stays, and its checksums are
+            # verified when it is restored. Only unfinished leftovers are removed.
+            self._remove_failed(step, keep_finalized=True)
             raise CheckpointWriteError(
                 f"could not save checkpoint {step} in {self.directory} ({short_reason(e)}); "
                 f"{self._kept()}; {_write_fix(e)}"
@@ -497,11 +500,15 @@ class Checkpointer:
             return "there is no earlier checkpoint"
         return f"the previous checkpoint (step {steps[-1]}) is kept"
 
-    def _remove_failed(self, step: int) -> None:
-        """Removes what a failed save of `step` left: the step and orbax's temporary dirs."""
+    def _remove_failed(self, step: int, *, keep_finalized: bool = False) -> None:
+        """Removes what a failed save of `step` left: the step and orbax's temporary dirs
+        (with `keep_finalized`, a finalized step directory stays)."""
+        keep = keep_finalized and step in list_steps(self.workdir)
         if jax.process_index() == 0 and os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
-                if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                if (name == str(step) and not keep) or name.startswith(
+                    f"{step}.orbax-checkpoint-tmp"
+                ):
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         self._metrics.pop(step, None)
         self._manager.reload()

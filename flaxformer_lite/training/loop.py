@@ -183,6 +183,7 @@ class Run:
     data_id: dict = dataclasses.field(default_factory=dict)
     first_batch: int = 0
     start: int = 0
+    validated: tuple[int, Any] | None = None  # (step, result) of a whole-split validation
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -402,6 +403,7 @@ def train_loop(run: Run) -> None:
         elif t.eval_every and done % t.eval_every == 0:
             run.guard.check(0)
             result = run.evaluate("validation", done, t.eval_max_batches or None)
+            run.validated = None if t.eval_max_batches else (done, result)
             run.early_stop.update(done, result.metrics)
             # Every evaluated step is saved, so that the best ones can be kept.
             run.save(done, force=True, metrics=result.metrics)
@@ -430,7 +432,10 @@ def final_evaluation(run: Run) -> dict[str, float]:
     run.stop_if_preempted(final_step)
     results: dict[str, float] = {"step": final_step}
     for split in run.eval_sets:
-        result = run.evaluate(split, final_step)
+        if split == "validation" and run.validated and run.validated[0] == final_step:
+            result = run.validated[1]  # an early stop right after evaluating the whole split
+        else:
+            result = run.evaluate(split, final_step)
         results.update({f"{split}_{k}": v for k, v in result.metrics.items()})
         if split == "validation":
             run.ckpt.record_metrics(final_step, result.metrics)
