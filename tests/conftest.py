@@ -1,7 +1,10 @@
 """Shared fixtures: a tiny run config that trains in seconds on a CPU."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -12,6 +15,37 @@ import pytest
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+
+# Many tests compile the same tiny programs (a train step, a search) in fresh jit wrappers:
+# JAX's persistent compilation cache, in a directory of this process alone (subprocesses
+# compile for themselves), compiles each once per test worker. The executables are the
+# same programs; only their compile time is saved.
+_JAX_CACHE = tempfile.mkdtemp(prefix="flaxformer-lite-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+
+
+def _enable_compilation_cache() -> None:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+_enable_compilation_cache()
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """For tests that count compilations: every program is compiled, none read back."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -140,7 +140,7 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
         )
 
 
-def test_order_preserved_and_compilations_bounded(loaded):
+def test_order_preserved_and_compilations_bounded(loaded, no_compilation_cache):
     model, params, tokenizer, run_config = loaded
     # 1 to 7 digits: source lengths on both sides of the 8-token bucket.
     lines = [f"{'en' if i % 2 else 'de'} {str(7 * i + 1) * (1 + i % 7)}"[:10] for i in range(21)]
