@@ -16,12 +16,25 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
-# Many tests compile the same tiny programs (a train step, a search) in fresh jit wrappers:
-# JAX's persistent compilation cache, in a directory of this process alone (subprocesses
-# compile for themselves), compiles each once per test worker. The executables are the
-# same programs; only their compile time is saved.
+# Many tests compile the same tiny programs (a train step, a search) in fresh jit wrappers
+# or in train.py subprocesses: JAX's persistent compilation cache, in a directory of this
+# test worker alone, compiles each once. The executables are the same programs; only their
+# compile time is saved. Subprocesses inherit it through the environment; those that run
+# side by side (a multi-process job) are started without it (`without_compilation_cache`):
+# the cache's files are not written atomically.
 _JAX_CACHE = tempfile.mkdtemp(prefix="flaxformer-lite-jax-cache-")
 atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+COMPILATION_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": _JAX_CACHE,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+}
+os.environ.update(COMPILATION_CACHE_ENV)
+
+
+def without_compilation_cache(env: dict) -> dict:
+    """`env` for a subprocess that must not share this worker's compilation cache."""
+    return {k: v for k, v in env.items() if k not in COMPILATION_CACHE_ENV}
 
 
 def _enable_compilation_cache() -> None:

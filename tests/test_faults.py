@@ -212,14 +212,13 @@ SIGTERM_FLAGS = (
     "--config.train.num_steps=400",
     "--config.train.checkpoint_every=0",
     "--config.train.log_every=1",
-    "--config.model.dropout_rate=0.1",
 )
 
 
-def _preempt(workdir, tfds_dir) -> int:
+def _preempt(workdir, tfds_dir, *flags) -> int:
     """Runs train.py until it has trained a step, sends SIGTERM; returns the step it saved."""
     proc = subprocess.Popen(
-        _train_cli(workdir, tfds_dir, *SIGTERM_FLAGS),
+        _train_cli(workdir, tfds_dir, *SIGTERM_FLAGS, *flags),
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.PIPE,
@@ -256,7 +255,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tfds_dir, tmp_path):
 @pytest.mark.slow
 def test_sigterm_then_rerun_ends_like_an_uninterrupted_run(tfds_dir, tmp_path):
     workdir = tmp_path / "run"
-    step = _preempt(workdir, tfds_dir)
+    step = _preempt(workdir, tfds_dir, "--config.model.dropout_rate=0.1")
     # Finish the run in-process with the same config, and compare with an uninterrupted run.
     config = tiny_config(tfds_dir, num_steps=step + 4, checkpoint_every=0, log_every=1)
     config.model.dropout_rate = 0.1

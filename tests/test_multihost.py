@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import ROOT, assert_params_close, tiny_config
+from conftest import ROOT, assert_params_close, tiny_config, without_compilation_cache
 from test_sharding import _train
 
 from flaxformer_lite import datasets, run_config
@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 def _launch(body: str, tmp_path, **fields) -> list[subprocess.Popen]:
     """Starts the processes of one job; their output goes to tmp_path/process_<i>.log."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = without_compilation_cache(dict(os.environ, JAX_PLATFORMS="cpu"))
     env.pop("XLA_FLAGS", None)  # local_device_count sets the device count
     address = f"127.0.0.1:{_free_port()}"
     procs = []
@@ -175,10 +175,12 @@ def _launch_train_py(tmp_path, tfds_dir: str, workdir: str, num_steps: int):
     arguments but its --process_id, as on a cluster.
     """
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"]),
+    env = without_compilation_cache(
+        dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"]),
+        )
     )
     args = [
         "--config=configs/tiny.py",
