@@ -150,6 +150,18 @@ def _tmpfs(path, size):
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
 
 
+def _fill(path) -> None:
+    """Writes zeros to `path` until the filesystem is full (unbuffered: nothing left to flush)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * (1 << 16))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
     trained, tfds_dir, tmp_path, monkeypatch
 ):
@@ -161,13 +173,7 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
 
         def fill_then_save(self, step, *args, **kwargs):
             if step == 30:  # the disk fills up between two checkpoints
-                with open(disk / "filler", "wb") as f:
-                    try:
-                        while True:
-                            f.write(b"\0" * (1 << 16))
-                            f.flush()
-                    except OSError:
-                        pass
+                _fill(disk / "filler")
             return save(self, step, *args, **kwargs)
 
         monkeypatch.setattr(checkpoints.Checkpointer, "save", fill_then_save)
