@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 
 from absl import flags
@@ -19,8 +21,17 @@ TRACEBACK_ENV = "FLAXFORMER_LITE_TRACEBACK"
 
 
 def fail(message: str, code: int = 2):
-    """Prints `error: message` on stderr and exits."""
+    """Prints `error: message` on stderr and exits.
+
+    The error line is the last thing printed: what a failed checkpoint write left
+    behind (orbax's unretrieved asyncio futures, never-awaited coroutines) would
+    otherwise log its tracebacks when the interpreter collects it at exit.
+    """
     print(f"error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
+    warnings.filterwarnings("ignore", message="Enable tracemalloc")
     sys.exit(code)
 
 

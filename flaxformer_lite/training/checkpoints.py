@@ -19,9 +19,12 @@ moves the unusable ones aside.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import io
 import json
+import logging
 import math
 import os
 import re
@@ -296,6 +299,35 @@ def _layout(tree) -> list[tuple[tuple[int, ...], str]]:
     return sorted((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves)
 
 
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    """Only CRITICAL records of these Python loggers while the block runs."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _held_stderr():
+    """Collects what Python code writes to sys.stderr in the block; passes it on unless
+    the block raised."""
+    held, real = io.StringIO(), sys.stderr
+    sys.stderr = held
+    try:
+        yield
+    except BaseException:
+        sys.stderr = real
+        raise
+    sys.stderr = real
+    real.write(held.getvalue())
+
+
 def _write_fix(cause: BaseException) -> str:
     """What to do about a failed write, from its cause."""
     chain = _chain(cause)
@@ -456,18 +488,25 @@ class Checkpointer:
         self._apply_retention()
 
     def _write(self, step: int, state, meta: dict[str, Any]) -> None:
-        """Writes the two items of `step` (a seam for tests to corrupt a write)."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    STATE_ITEM: ocp.args.StandardSave(state),
-                    META_ITEM: ocp.args.JsonSave(meta),
-                }
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        """Writes the two items of `step` (a seam for tests to corrupt a write).
+
+        Orbax's worker threads log every failed write with its traceback (and
+        tensorstore's callbacks print theirs to sys.stderr) before the error reaches
+        here; `save` turns it into one line, so they are kept quiet. What a
+        successful write prints is passed on.
+        """
+        with _quiet_loggers("absl", "asyncio", "concurrent.futures"), _held_stderr():
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        STATE_ITEM: ocp.args.StandardSave(state),
+                        META_ITEM: ocp.args.JsonSave(meta),
+                    }
+                ),
+                force=True,
+            )
+            self._manager.wait_until_finished()
 
     def _read_back_problem(self, step: int, state, checksums: dict[str, str]) -> str | None:
         """None if `step`'s state reads back from disk with `checksums` on every process."""

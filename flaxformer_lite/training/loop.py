@@ -287,7 +287,8 @@ def prepare(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
     )
     # The previous checkpoint stays until the next one is written and verified.
-    checkpoints.check_writable(workdir, 2 * checkpoints.state_nbytes(state))
+    # (orbax adds metadata to the arrays: ~150 KB for configs/tiny.py, hence the MiB)
+    checkpoints.check_writable(workdir, 2 * (checkpoints.state_nbytes(state) + (1 << 20)))
     best_mode = run_config_lib.BEST_METRICS[t.best_metric]
     ckpt = checkpoints.Checkpointer(
         workdir,
