@@ -257,6 +257,23 @@ def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
     return sets, {name: texts(splits[name], "target") for name in sets}
 
 
+def _checkpointer(config, workdir: str, state, log: Log) -> checkpoints.Checkpointer:
+    """The run's checkpointer, once the workdir is known to have room for two checkpoints
+    (the previous one stays until the next one is written and verified)."""
+    t = config.train
+    # (orbax adds metadata to the arrays: ~150 KB for configs/tiny.py, hence the MiB)
+    checkpoints.check_writable(workdir, 2 * (checkpoints.state_nbytes(state) + (1 << 20)))
+    return checkpoints.Checkpointer(
+        workdir,
+        keep=t.keep_checkpoints,
+        save_every=t.checkpoint_every,
+        keep_best=t.keep_best_checkpoints,
+        best_metric=t.best_metric,
+        best_mode=run_config_lib.BEST_METRICS[t.best_metric],
+        log=log,
+    )
+
+
 def prepare(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -287,18 +304,7 @@ def prepare(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
     )
     # The previous checkpoint stays until the next one is written and verified.
-    # (orbax adds metadata to the arrays: ~150 KB for configs/tiny.py, hence the MiB)
-    checkpoints.check_writable(workdir, 2 * (checkpoints.state_nbytes(state) + (1 << 20)))
-    best_mode = run_config_lib.BEST_METRICS[t.best_metric]
-    ckpt = checkpoints.Checkpointer(
-        workdir,
-        keep=t.keep_checkpoints,
-        save_every=t.checkpoint_every,
-        keep_best=t.keep_best_checkpoints,
-        best_metric=t.best_metric,
-        best_mode=best_mode,
-        log=log,
-    )
+    ckpt = _checkpointer(config, workdir, state, log)
     search = search_from_config(config)
     eval_sets, references = _eval_sets(config, splits, tokenizer)
     run = Run(
@@ -319,7 +325,7 @@ def prepare(
         eval_sets=eval_sets,
         references=references,
         ckpt=ckpt,
-        early_stop=EarlyStopping(t.best_metric, best_mode, t.early_stop_patience),
+        early_stop=EarlyStopping(t.best_metric, ckpt.best_mode, t.early_stop_patience),
         guard=NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, log),
     )
     try:
