@@ -106,7 +106,7 @@ def test_guard_skip_counts_and_stops_after_n_in_a_row():
     assert guard.skipped == 4 and len(logged) == 4
     assert "step 5: the loss was not finite; update skipped (2 in a row, 4 in this run)" in logged
     guard.add(6, {"nonfinite": jnp.float32(3)})
-    with pytest.raises(NonFiniteError, match="3 steps in a row .*updated parameters, at step 6"):
+    with pytest.raises(NonFiniteError, match="3 steps in a row .*update, at step 6"):
         guard.check(0)
 
 
