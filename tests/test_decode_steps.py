@@ -4,20 +4,18 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import tiny_config
+from test_decode_cli import run_decode
 
 from flaxformer_lite.training import checkpoints, restore
 
 # A failed orbax read or write leaves its unfinished coroutines to the garbage collector.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 LOSSES = {10: 0.5, 20: 0.9}  # validation losses: the earlier step is the best
 
 
@@ -113,17 +111,6 @@ def test_latest_good_skips_a_corrupted_step_and_moves_nothing(copy):
     truncate_arrays(copy, 10)
     with pytest.raises(checkpoints.CheckpointIntegrityError, match="steps 20, 10 are all"):
         restore.resolve_step(copy, "latest-good", log=warnings.append)
-
-
-def run_decode(*args, stdin=b""):
-    return subprocess.run(
-        [sys.executable, "decode.py", *args],
-        cwd=ROOT,
-        env=ENV,
-        input=stdin,
-        capture_output=True,
-        timeout=300,
-    )
 
 
 def test_cli_step_flag(copy):
