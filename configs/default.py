@@ -108,4 +108,17 @@ def get_config() -> ml_collections.ConfigDict:
     t.num_examples_to_print = 8  # test examples printed at the end
     t.progress_bar = True  # tqdm bar on stderr
     t.tensorboard = True  # also write TensorBoard event files
+
+    # Scheduled sampling (flaxformer_lite/objectives/scheduled_sampling.py): decoder inputs fed,
+    # with probability 1 - eps_i at step i, from the model's own previous-position predictions.
+    config.scheduled_sampling = s = ml_collections.ConfigDict()
+    s.mode = "off"  # off (teacher forcing) | argmax | sample | soft (softmax-weighted embedding)
+    s.schedule = "linear"  # eps_i: linear max(eps_min, k - c*i) | exponential k**i |
+    s.k = 1.0  # ... inverse_sigmoid k / (k + exp(i / k)) | constant k
+    s.c = 1e-4  # linear: decrease of eps_i per step
+    s.eps_min = 0.0  # floor of eps_i
+    s.warmup_steps = 0  # steps of pure teacher forcing; i counts from their end
+    s.temperature = 1.0  # sample, soft: softmax temperature of the fed predictions
+    s.gradient = "last"  # last: gradient through the last pass only | all (soft only)
+    s.passes = 2  # decoder passes: 2 = two-pass decoder, more = the parallel variant
     return config

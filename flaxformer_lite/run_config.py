@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from flaxformer_lite.config import ConfigError, TransformerConfig, from_mapping
+from flaxformer_lite.objectives import scheduled_sampling
 
 BATCHINGS = ("fixed", "bucket", "pack")
 EVAL_SEARCHES = ("greedy", "beam")
@@ -34,6 +35,7 @@ BEST_METRICS = {
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 SPLITS = ("train", "validation", "test")
+SECTIONS = ("model", "data", "optim", "train", "mesh", "scheduled_sampling")
 
 
 # {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
@@ -184,6 +186,21 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScheduledSamplingConfig:
+    """`scheduled_sampling` (optional section): see objectives/scheduled_sampling.py."""
+
+    mode: str = _field("off", _one_of(*scheduled_sampling.MODES))
+    schedule: str = _field("linear", _one_of(*scheduled_sampling.SCHEDULES))
+    k: float = _field(1.0, _number(0.0, low_open=True))
+    c: float = _field(1e-4, _number(0.0))
+    eps_min: float = _field(0.0, _number(0.0, 1.0, high_open=False))
+    warmup_steps: int = _field(0, NON_NEGATIVE)
+    temperature: float = _field(1.0, _number(0.0, low_open=True))
+    gradient: str = _field("last", _one_of(*scheduled_sampling.GRADIENTS))
+    passes: int = _field(2, _int_at_least(2))
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """`mesh`: devices for data x fsdp x model (see parallel/partitioning.py)."""
 
@@ -200,6 +217,7 @@ class RunConfig:
     optim: OptimConfig
     train: TrainConfig
     mesh: MeshConfig
+    scheduled_sampling: ScheduledSamplingConfig
 
 
 def _plain(value):
@@ -246,17 +264,17 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
             raise ConfigError(
                 f"run config has no '{section}' section; start from configs/default.py"
             )
-    extra = sorted(set(config.keys()) - {"model", "data", "optim", "train", "mesh"})
+    extra = sorted(set(config.keys()) - set(SECTIONS))
     if extra:
         raise ConfigError(
-            f"run config has a section '{extra[0]}'; the sections are model, data, optim, "
-            "train and mesh"
+            f"run config has a section '{extra[0]}'; the sections are {', '.join(SECTIONS)}"
         )
     share_embeddings = model_config(config).share_embeddings  # checks the model's fields
     data = _section(DataConfig, "data", config.data)
     optim = _section(OptimConfig, "optim", config.optim)
     train = _section(TrainConfig, "train", config.train)
     mesh = _section(MeshConfig, "mesh", config.mesh if "mesh" in config else {})
+    sampling = _scheduled_sampling_section(config)
     _check_dataset(data)
     _check_vocabularies(data, share_embeddings)
     model = planned_model_config(config)
@@ -289,7 +307,39 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
             "optim.warmup_steps=0, but the rsqrt schedule divides by it: use warmup_steps >= 1 "
             "or another optim.schedule"
         )
-    return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
+    return RunConfig(
+        model=model, data=data, optim=optim, train=train, mesh=mesh, scheduled_sampling=sampling
+    )
+
+
+def _scheduled_sampling_section(config: ml_collections.ConfigDict) -> ScheduledSamplingConfig:
+    values = config.scheduled_sampling if "scheduled_sampling" in config else {}
+    s = _section(ScheduledSamplingConfig, "scheduled_sampling", values)
+    if s.schedule == "exponential" and not s.k < 1.0:
+        raise ConfigError(
+            f"scheduled_sampling.k={s.k} with the exponential schedule k**i never decays: "
+            "use 0 < k < 1, e.g. 0.999"
+        )
+    if s.schedule == "inverse_sigmoid" and s.k < 1.0:
+        raise ConfigError(
+            f"scheduled_sampling.k={s.k}: the inverse sigmoid k / (k + exp(i / k)) needs "
+            "k >= 1 (the step where eps is 0.5 grows with k), e.g. 500"
+        )
+    if s.gradient == "all" and s.mode in ("argmax", "sample"):
+        raise ConfigError(
+            f"scheduled_sampling.gradient='all' passes gradients through the fed predictions, "
+            f"but mode={s.mode!r} feeds discrete tokens, which have none: use mode='soft' or "
+            "gradient='last'"
+        )
+    return s
+
+
+def scheduled_sampling_of(
+    config: ml_collections.ConfigDict,
+) -> scheduled_sampling.ScheduledSampling:
+    """The model's scheduled-sampling settings of a run config (off when it has none)."""
+    section = _scheduled_sampling_section(config)
+    return scheduled_sampling.ScheduledSampling(**dataclasses.asdict(section))
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

@@ -19,8 +19,9 @@ from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
-from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.models.transformer import Transformer, token_validity
 from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.objectives import scheduled_sampling as ss
 
 PACKING_KEYS = ("inputs_segments", "inputs_positions", "targets_segments", "targets_positions")
 
@@ -56,6 +57,7 @@ class AutoregressiveModel(Seq2SeqModel):
 
     config: TransformerConfig
     label_smoothing: float = 0.0  # eps_ls of the training loss (§5.4)
+    scheduled_sampling: ss.ScheduledSampling = ss.ScheduledSampling()  # off: teacher forcing
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
 
@@ -84,13 +86,63 @@ class AutoregressiveModel(Seq2SeqModel):
         return self.module.init({"params": rng}, source, target, source_valid=valid)["params"]
 
     def loss(self, params, batch, rng, step):
-        del step  # teacher forcing does not depend on the step
         packing = packing_of(batch)
         segments = None if packing is None else packing["targets_segments"]
         decoder_inputs = shift_right(batch["targets"], self.bos_id, segments)  # BOS + targets[:-1]
-        logits = self._forward(params, batch, decoder_inputs, rng=rng, packing=packing)
+        extra = {}
+        if self.scheduled_sampling.enabled:
+            logits, extra = self._sampled_passes(params, batch, decoder_inputs, rng, step, packing)
+        else:
+            logits = self._forward(params, batch, decoder_inputs, rng=rng, packing=packing)
         sums = cross_entropy.metrics_sums(logits, batch["targets"], self.label_smoothing, segments)
-        return sums["loss"], sums
+        return sums["loss"], {**sums, **extra}
+
+    def _sampled_passes(self, params, batch, decoder_inputs, rng, step, packing):
+        """Scheduled sampling's decoder passes (`objectives/scheduled_sampling.py`): the
+        encoder once, a teacher-forced pass, then `passes` - 1 passes on inputs mixed from
+        the previous pass's predictions. Returns (last logits [B, T, V], metric sums)."""
+        cfg = self.scheduled_sampling
+        module = self.module
+        valid = batch.get("inputs_valid")
+        if valid is None:
+            valid = token_validity(batch["inputs"])  # feature inputs always carry their validity
+        keys = jax.random.split(rng, 2 * cfg.passes)  # dropout of encoder + passes; mixing
+        encoded = module.apply(
+            {"params": params},
+            batch["inputs"],
+            valid,
+            deterministic=False,
+            packing=packing,
+            method="encode",
+            rngs={"dropout": keys[0]},
+        )
+
+        def decode(key, replacements=None):
+            return module.apply(
+                {"params": params},
+                encoded,
+                valid,
+                decoder_inputs,
+                deterministic=False,
+                packing=packing,
+                replacements=replacements,
+                method="decode",
+                rngs={"dropout": key},
+            )
+
+        eps = ss.gold_probability(cfg, step)
+        logits = decode(keys[1])
+        for n in range(1, cfg.passes):
+            previous = logits if cfg.gradient == "all" else jax.lax.stop_gradient(logits)
+            use, new = ss.mix_inputs(
+                cfg, previous, decoder_inputs, eps, keys[cfg.passes + n], self.bos_id
+            )
+            logits = decode(keys[n + 1], (use, new))
+        replaceable = ss.replaceable(decoder_inputs, self.bos_id)
+        return logits, {
+            "ss_replaced": use.sum().astype(jnp.float32),
+            "ss_replaceable": replaceable.sum().astype(jnp.float32),
+        }
 
     def evaluate(self, params, batch):
         logits = self._forward(params, batch, shift_right(batch["targets"], self.bos_id))

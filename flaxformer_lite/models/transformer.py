@@ -147,6 +147,7 @@ class Decoder(nn.Module):
         *,
         deterministic: bool,
         positions: jax.Array | None = None,
+        replacements: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
         """Teacher-forced decoder pass.
 
@@ -155,10 +156,18 @@ class Decoder(nn.Module):
           decoder_inputs: int[B, T] BOS + target prefix.
           self_mask: bool[B, T, T] (`masks.decoder_mask`); cross_mask: bool[B, T, S].
           positions: int[B, T] restarting at 0 per packed example (None: 0..T-1).
+          replacements: scheduled sampling's (use bool[B, T], new): where `use`, the
+            input embedding is that of `new`, tokens int[B, T] or embedding weights
+            float[B, T, V] (`objectives/scheduled_sampling.py`); None: teacher forcing.
         Returns:
           float32[B, T, V] logits.
         """
-        y = self.positions(self.embed(decoder_inputs), positions)
+        y = self.embed(decoder_inputs)
+        if replacements is not None:
+            use, new = replacements
+            other = self.embed.mixture(new) if new.ndim == 3 else self.embed(new)
+            y = jnp.where(use[..., None], other, y)
+        y = self.positions(y, positions)
         y = self.dropout(y, deterministic=deterministic)
         if self.config.scan_layers and not self.is_initializing():
             capture = tuple(sorted(set(self.capture_self) | set(self.capture_cross)))
@@ -291,8 +300,13 @@ class Transformer(nn.Module):
         *,
         deterministic: bool = True,
         packing: dict[str, jax.Array] | None = None,
+        replacements: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
-        """Logits float32[B, T, V] for decoder inputs int[B, T] given encoded [B, S, D]."""
+        """Logits float32[B, T, V] for decoder inputs int[B, T] given encoded [B, S, D].
+
+        `replacements`: scheduled sampling's, as in `Decoder.__call__`; the masks
+        come from the gold `decoder_inputs`.
+        """
         tseg = sseg = positions = None
         if packing is not None:
             tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
@@ -306,6 +320,7 @@ class Transformer(nn.Module):
             cross,
             deterministic=deterministic,
             positions=positions,
+            replacements=replacements,
         )
 
     def precompute_cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -330,10 +345,13 @@ class Transformer(nn.Module):
         source_valid: jax.Array | None = None,
         deterministic: bool = True,
         packing: dict[str, jax.Array] | None = None,
+        replacements: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
         """Teacher-forced pass: int[B, S] (or float[B, S, F]), int[B, T] -> float32[B, T, V].
 
-        The three masks are built once here (`masks.seq2seq_masks`).
+        The three masks are built once here (`masks.seq2seq_masks`), from the gold
+        `decoder_inputs` also when scheduled sampling's `replacements` (see
+        `Decoder.__call__`) change what the decoder reads.
         """
         valid = self._source_valid(inputs, source_valid)
         p = packing or {}
@@ -353,6 +371,7 @@ class Transformer(nn.Module):
             m.cross,
             deterministic=deterministic,
             positions=p.get("targets_positions"),
+            replacements=replacements,
         )
 
 

@@ -65,6 +65,20 @@ class Embed(nn.Module):
         x = jnp.take(self.embedding, tokens, axis=0).astype(cfg.dtype)
         return x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
 
+    def mixture(self, weights: jax.Array) -> jax.Array:
+        """The weighted average of embeddings, scaled as `__call__`: float[B, T, V] -> [B, T, D].
+
+        One-hot weights give exactly the looked-up vectors of those tokens.
+        """
+        cfg = self.config
+        x = jnp.einsum(
+            "btv,vd->btd",
+            weights.astype(cfg.dtype),
+            self.embedding.astype(cfg.dtype),
+            preferred_element_type=jnp.float32,
+        ).astype(cfg.dtype)
+        return x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
+
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the embedding matrix: [B, T, D] -> float32[B, T, V]."""
         cfg = self.config

@@ -52,7 +52,11 @@ Log = Callable[[str], None]
 
 def build_model(config: ml_collections.ConfigDict, model_cfg) -> Seq2SeqModel:
     """The run's model behind the protocol."""
-    return AutoregressiveModel(model_cfg, label_smoothing=config.train.label_smoothing)
+    return AutoregressiveModel(
+        model_cfg,
+        label_smoothing=config.train.label_smoothing,
+        scheduled_sampling=run_config_lib.scheduled_sampling_of(config),
+    )
 
 
 def optimizer_from_config(config: ml_collections.ConfigDict, model_cfg):
@@ -360,6 +364,8 @@ def _log_train_metrics(run: Run, sums, done: int, steps: int, elapsed: float) ->
     metrics["grad_norm"] = float(fetched["grad_norm"]) / steps
     metrics["tokens_per_sec"] = float(fetched["tokens"]) / elapsed
     metrics["learning_rate"] = float(run.schedule(done - 1))
+    if "ss_replaced" in fetched:  # scheduled sampling: the share of inputs fed from predictions
+        metrics["ss_replaced"] = float(fetched["ss_replaced"]) / max(fetched["ss_replaceable"], 1)
     if run.guard.skipped:
         metrics["nonfinite_skipped"] = run.guard.skipped  # in this run so far
     run.writer.write(done, "train", metrics)
