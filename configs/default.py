@@ -41,6 +41,8 @@ def get_config() -> ml_collections.ConfigDict:
     # number_words: which numbers in which languages.
     d.languages = ("en", "de", "fr")  # num2words language codes
     d.max_number = 9999  # numbers 0..max_number in every language
+    d.always_train_below = 100  # never held out: below 100 are the irregular words (zwölf, douze)
+    d.digit_balance = 0.5  # repeat rarer digit counts: 1-digit 28x, 2-digit 9x, 3-digit 3x
     # number_words and tsv: the seeded train/validation/test assignment.
     d.seed = 0  # seed of the assignment (not of training: that is train.seed)
     d.valid_fraction = 0.05  # share of pairs held out for validation

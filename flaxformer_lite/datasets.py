@@ -75,6 +75,8 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
             data.seed,
             data.valid_fraction,
             data.test_fraction,
+            data.always_train_below,
+            data.digit_balance,
         )
     from flaxformer_lite.data import translation
 

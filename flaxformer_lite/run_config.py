@@ -119,6 +119,8 @@ class DataConfig:
     tfds_dir: str = _field("", _string)
     languages: tuple[str, ...] = _field(("en", "de", "fr"), _strings)  # number_words
     max_number: int = _field(9999, NON_NEGATIVE)  # number_words
+    always_train_below: int = _field(100, NON_NEGATIVE)  # number_words
+    digit_balance: float = _field(0.5, _number(0.0, 1.0, high_open=False))  # number_words
     seed: int = _field(0, NON_NEGATIVE)  # number_words, tsv: the seeded split
     valid_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
     test_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
@@ -363,6 +365,16 @@ def _check_dataset(d: DataConfig) -> None:
                     f"data.languages has {lang!r}, which num2words cannot spell; choose from "
                     + ", ".join(sorted(CONVERTER_CLASSES))
                 )
+    if (
+        d.dataset == "number_words"
+        and d.always_train_below > d.max_number
+        and d.valid_fraction + d.test_fraction > 0
+    ):
+        raise ConfigError(
+            f"data.always_train_below={d.always_train_below} keeps every number up to "
+            f"data.max_number={d.max_number} in train, leaving none to hold out: lower it "
+            "(0: any number may be held out)"
+        )
     if d.dataset in ("number_words", "tsv") and d.valid_fraction + d.test_fraction >= 1.0:
         raise ConfigError(
             f"data.valid_fraction={d.valid_fraction} + data.test_fraction={d.test_fraction} "

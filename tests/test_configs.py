@@ -100,6 +100,8 @@ def test_every_enumerated_value(flag, choices):
         ("data.test_fraction", -0.1, "data.test_fraction must be a number in [0, 1)"),
         ("data.valid_fraction", 0.96, "leave no training examples"),
         ("data.max_number", -1, "data.max_number must be a non-negative integer"),
+        ("data.max_number", 99, "data.always_train_below=100 keeps every number up to"),
+        ("data.digit_balance", 1.5, "data.digit_balance must be a number in [0, 1]"),
         ("data.languages", (), "data.languages must be a non-empty tuple of strings"),
         ("data.languages", ("en", "xx"), "data.languages has 'xx', which num2words cannot"),
         ("data.split_names", {"dev": "val"}, "data.split_names has key 'dev'"),
@@ -290,6 +292,7 @@ def test_every_config_trains(path, tmp_path, compile_cache):
         args += SHRINK
     if d.dataset == "number_words":
         args.append("--config.data.max_number=99")  # 100 numbers per language
+        args.append("--config.data.always_train_below=0")  # any of them may be held out
         command = ["train.py", *args]
     elif d.dataset == "parallel_text":
         _corpus(tmp_path, config)

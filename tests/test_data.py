@@ -100,6 +100,53 @@ def test_generate_pairs_validates_arguments():
         numbers.generate_pairs("en", 10, 0, 0.1, 0.1)
 
 
+def test_numbers_below_the_threshold_are_never_held_out():
+    args = {**SPLIT_ARGS, "always_train_below": 100}
+    split = numbers.generate_pairs(**args)
+    held = [s for name in ("validation", "test") for s, _ in split[name]]
+    assert held and min(int(s.split()[1]) for s in held) >= 100
+    train = {s for s, _ in split["train"]}
+    assert {f"{lang} {n}" for lang in LANGS for n in range(100)} <= train
+    assert not train & set(held)
+    # The fractions apply to the numbers that may be held out: 5% of 3 * 900.
+    assert len(split["validation"]) == len(split["test"]) == round(0.05 * 3 * 900)
+    # Without the threshold the split is exactly the one made before the option existed.
+    assert numbers.generate_pairs(**{**args, "always_train_below": 0}) == numbers.generate_pairs(
+        **SPLIT_ARGS
+    )
+
+
+def test_digit_balance_repeats_rarer_digit_counts_by_its_formula():
+    args = {**SPLIT_ARGS, "always_train_below": 100}
+    once = numbers.generate_pairs(**args)
+    balanced = numbers.generate_pairs(**args, digit_balance=0.5)
+    for name in ("validation", "test"):
+        assert balanced[name] == once[name]
+    for lang in LANGS:
+        digits = collections.Counter(
+            len(s.split()[1]) for s, _ in once["train"] if s.startswith(lang + " ")
+        )
+        copies = collections.Counter(
+            len(s.split()[1]) for s, _ in balanced["train"] if s.startswith(lang + " ")
+        )
+        most = max(digits.values())
+        for d, n in digits.items():
+            assert copies[d] == n * max(1, round((most / n) ** 0.5))
+    assert set(balanced["train"]) == set(once["train"])
+    assert numbers.digit_repeats([5, 7, 12, 345, 346, 347, 348], 1.0) == {1: 2, 2: 4, 3: 1}
+    assert numbers.digit_repeats([5, 12, 345], 0.0) == {1: 1, 2: 1, 3: 1}
+
+
+def test_balanced_split_round_trips_through_tfds(tmp_path):
+    args = {**SPLIT_ARGS, "max_number": 120, "always_train_below": 100, "digit_balance": 1.0}
+    data = numbers.load_number_words(str(tmp_path), **args)
+    expected = numbers.generate_pairs(**args)
+    for split in ("train", "validation", "test"):
+        assert _decoded(data[split]) == expected[split]
+    name = numbers.NumberWordsConfig(**args).name
+    assert name == "en-de-fr_120_s0_v0.05_t0.05_a100_b1"
+
+
 def test_config_name_is_deterministic():
     config = numbers.NumberWordsConfig(**SPLIT_ARGS)
     assert config.name == "en-de-fr_999_s0_v0.05_t0.05"

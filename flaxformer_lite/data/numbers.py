@@ -12,6 +12,18 @@ in seconds. Every ``(lang, number)`` with ``0 <= number <= max_number`` lands in
 the splits ``"train"``, ``"validation"`` and ``"test"``, so held-out splits measure
 generalisation to unseen numbers.
 
+Two options shape the splits (both off: every number may be held out, each seen once):
+
+* ``always_train_below``: the numbers below it go to "train" in every language, and the
+  held-out splits are drawn from the others. Below 100 are the words no model can infer from
+  others (``zwölf``, ``douze``, ``seventeen``, ``soixante-dix``, ``quatre-vingts``): holding
+  one out tests memory, not generalisation. Every number above is a composition of them.
+* ``digit_balance`` (b in [0, 1]): a training number with d digits is repeated
+  ``round((n_max / n_d) ** b)`` times, n_d being the training numbers of that language with d
+  digits and n_max the largest such count. With b = 0 numbers below 100 are 1% of the training
+  pairs when ``max_number`` is 9999; b = 1 gives every digit count the same share; b = 0.5 is
+  in between (1-digit numbers 2%, 2-digit 7%, 3-digit 21%).
+
 The pairs are exposed in two ways: :func:`generate_pairs` returns them as Python lists, and
 :class:`NumberWords` is a TFDS builder that writes them to ``array_record`` files, read back by
 :func:`load_number_words` without TensorFlow.
@@ -56,25 +68,48 @@ def _check_languages(languages: Sequence[str]) -> tuple[str, ...]:
     return languages
 
 
+def _check_options(always_train_below: int, digit_balance: float) -> None:
+    if always_train_below < 0:
+        raise ValueError(f"always_train_below must be >= 0, got {always_train_below}")
+    if not 0.0 <= digit_balance <= 1.0:
+        raise ValueError(f"digit_balance must be in [0, 1], got {digit_balance}")
+
+
+def digit_repeats(train_numbers: Sequence[int], digit_balance: float) -> dict[int, int]:
+    """``{digit count: repeats}`` of one language's training numbers (see the module doc)."""
+    counts: dict[int, int] = {}
+    for number in train_numbers:
+        d = len(str(number))
+        counts[d] = counts.get(d, 0) + 1
+    most = max(counts.values(), default=1)
+    return {d: max(1, round((most / n) ** digit_balance)) for d, n in counts.items()}
+
+
 def generate_pairs(
     languages: Sequence[str],
     max_number: int,
     seed: int,
     valid_fraction: float,
     test_fraction: float,
+    always_train_below: int = 0,
+    digit_balance: float = 0.0,
 ) -> dict[str, list[tuple[str, str]]]:
     """Generates the (source, target) string pairs of every split.
 
-    All ``len(languages) * (max_number + 1)`` items ``(lang, number)`` are ordered
+    The items ``(lang, number)`` with ``number >= always_train_below`` are ordered
     language-major, then assigned to splits by :func:`~.common.seeded_split`; each split keeps
-    the permutation order. The result depends only on the arguments.
+    the permutation order. The numbers below ``always_train_below`` follow in "train"
+    (language-major). With ``digit_balance`` > 0 each training pair is repeated, its copies
+    side by side, as :func:`digit_repeats` says. The result depends only on the arguments.
 
     Args:
         languages: ``num2words`` language codes, e.g. ``("en", "de", "fr")``.
         max_number: largest number included (inclusive); must be >= 0.
         seed: seed of the split permutation.
-        valid_fraction: fraction of items held out for "validation", in [0, 1).
-        test_fraction: fraction of items held out for "test", in [0, 1).
+        valid_fraction: fraction of the eligible items held out for "validation", in [0, 1).
+        test_fraction: fraction of the eligible items held out for "test", in [0, 1).
+        always_train_below: numbers below it are never held out (0: any may be).
+        digit_balance: exponent b in [0, 1] of the training repeats (0: each pair once).
 
     Returns:
         ``{"train": [...], "validation": [...], "test": [...]}`` of ``(source, target)`` tuples,
@@ -82,23 +117,37 @@ def generate_pairs(
     """
     languages = _check_languages(languages)
     check_fractions(valid_fraction, test_fraction)
+    _check_options(always_train_below, digit_balance)
     if max_number < 0:
         raise ValueError(f"max_number must be >= 0, got {max_number}")
 
-    per_language = max_number + 1
+    low = min(always_train_below, max_number + 1)
+    per_language = max_number + 1 - low  # the numbers that may be held out
     items = seeded_split(
         len(languages) * per_language,
         seed=seed,
         valid_fraction=valid_fraction,
         test_fraction=test_fraction,
     )
+    chosen = {
+        split: [
+            (languages[int(item) // per_language], low + int(item) % per_language)
+            for item in items[split]
+        ]
+        for split in SPLITS
+    }
+    chosen["train"] += [(lang, number) for lang in languages for number in range(low)]
+    repeats = {
+        lang: digit_repeats([n for code, n in chosen["train"] if code == lang], digit_balance)
+        for lang in languages
+    }
     pairs: dict[str, list[tuple[str, str]]] = {}
     for split in SPLITS:
         split_pairs = []
-        for item in items[split]:
-            lang = languages[int(item) // per_language]
-            number = int(item) % per_language
-            split_pairs.append((f"{lang} {number}", num2words(number, lang=lang)))
+        for lang, number in chosen[split]:
+            pair = (f"{lang} {number}", num2words(number, lang=lang))
+            copies = repeats[lang][len(str(number))] if split == "train" else 1
+            split_pairs.extend([pair] * copies)
         pairs[split] = split_pairs
     return pairs
 
@@ -118,16 +167,24 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         seed: int,
         valid_fraction: float,
         test_fraction: float,
+        always_train_below: int = 0,
+        digit_balance: float = 0.0,
     ) -> None:
         languages = _check_languages(languages)
         check_fractions(valid_fraction, test_fraction)
+        _check_options(always_train_below, digit_balance)
         name = f"{'-'.join(languages)}_{max_number}_s{seed}_v{valid_fraction:g}_t{test_fraction:g}"
+        # The options join the name only when set, so that older data keeps its directory.
+        name += f"_a{always_train_below}" if always_train_below else ""
+        name += f"_b{digit_balance:g}" if digit_balance else ""
         super().__init__(
             name=name,
             version=tfds.core.Version("1.0.0"),
             description=(
                 f"Numbers 0..{max_number} in languages {languages}, split with seed {seed}, "
-                f"validation fraction {valid_fraction}, test fraction {test_fraction}."
+                f"validation fraction {valid_fraction}, test fraction {test_fraction}, "
+                f"numbers below {always_train_below} always in train, digit balance "
+                f"{digit_balance}."
             ),
         )
         self.languages = languages
@@ -135,6 +192,8 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         self.seed = seed
         self.valid_fraction = valid_fraction
         self.test_fraction = test_fraction
+        self.always_train_below = always_train_below
+        self.digit_balance = digit_balance
 
 
 class NumberWords(PairsBuilder, skip_registration=True):
@@ -155,6 +214,8 @@ class NumberWords(PairsBuilder, skip_registration=True):
             config.seed,
             config.valid_fraction,
             config.test_fraction,
+            config.always_train_below,
+            config.digit_balance,
         )
         # TFDS cannot write a split without examples (e.g. test_fraction=0), so empty splits are
         # left out here and filled in by `load_number_words`.
@@ -163,9 +224,12 @@ class NumberWords(PairsBuilder, skip_registration=True):
     def _generate_examples(
         self, pairs: list[tuple[str, str]]
     ) -> Iterator[tuple[str, dict[str, str]]]:
-        # Sources are unique within a config (one per (lang, number)), so they serve as keys.
-        for source, target in pairs:
-            yield source, {"source": source, "target": target}
+        # A source appears once per split, or in copies side by side (digit_balance): the
+        # source and its copy number make a unique key.
+        copy = 0
+        for i, (source, target) in enumerate(pairs):
+            copy = copy + 1 if i and pairs[i - 1][0] == source else 0
+            yield f"{source}#{copy}" if copy else source, {"source": source, "target": target}
 
 
 def load_number_words(
@@ -175,6 +239,8 @@ def load_number_words(
     seed: int,
     valid_fraction: float,
     test_fraction: float,
+    always_train_below: int = 0,
+    digit_balance: float = 0.0,
     *,
     log: Log | None = None,
 ) -> dict[str, Sequence[dict[str, bytes]]]:
@@ -195,6 +261,8 @@ def load_number_words(
         seed=seed,
         valid_fraction=valid_fraction,
         test_fraction=test_fraction,
+        always_train_below=always_train_below,
+        digit_balance=digit_balance,
     )
     builder = NumberWords(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
     return prepare(builder, SPLITS, log)
