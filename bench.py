@@ -6,6 +6,7 @@ python bench.py --mode decode --json bench.json
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
+python bench.py --mode train --config configs/default.py --scheduled_sampling argmax
 """
 
 import os
@@ -39,6 +40,13 @@ flags.DEFINE_enum(
     ["torch", "torch_compile"],
     "Training: also time a torch.nn.Transformer of the same sizes on the same batch, "
     "alternating with ours (needs PyTorch: pip install -e '.[torch]').",
+)
+flags.DEFINE_enum(
+    "scheduled_sampling",
+    None,
+    ["argmax", "sample", "soft"],
+    "Training: time the train step with this scheduled-sampling mixing (the other settings "
+    "from --config's scheduled_sampling section) against the teacher-forced step, alternating.",
 )
 flags.DEFINE_integer(
     "torch_threads", 0, "With --compare: torch's intra-op threads; 0 = every core (os.cpu_count())."

@@ -77,6 +77,7 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
             data.test_fraction,
             data.always_train_below,
             data.digit_balance,
+            data.num_numbers,
         )
     from flaxformer_lite.data import translation
 

@@ -121,6 +121,7 @@ class DataConfig:
     max_number: int = _field(9999, NON_NEGATIVE)  # number_words
     always_train_below: int = _field(100, NON_NEGATIVE)  # number_words
     digit_balance: float = _field(0.5, _number(0.0, 1.0, high_open=False))  # number_words
+    num_numbers: int = _field(0, NON_NEGATIVE)  # number_words: 0 = all up to max_number
     seed: int = _field(0, NON_NEGATIVE)  # number_words, tsv: the seeded split
     valid_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
     test_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
@@ -374,6 +375,14 @@ def _check_dataset(d: DataConfig) -> None:
             f"data.always_train_below={d.always_train_below} keeps every number up to "
             f"data.max_number={d.max_number} in train, leaving none to hold out: lower it "
             "(0: any number may be held out)"
+        )
+    if d.dataset == "number_words" and d.num_numbers > d.max_number + 1 - min(
+        d.always_train_below, d.max_number + 1
+    ):
+        raise ConfigError(
+            f"data.num_numbers={d.num_numbers} is more than there are numbers from "
+            f"data.always_train_below={d.always_train_below} to data.max_number={d.max_number}:"
+            " lower it, or 0 for all of them"
         )
     if d.dataset in ("number_words", "tsv") and d.valid_fraction + d.test_fraction >= 1.0:
         raise ConfigError(

@@ -119,3 +119,15 @@ def test_cli_flags_reach_the_benchmarked_model():
 
     # JAX_PLATFORMS=cpu: --host_malloc=auto keeps freed memory wherever glibc is the C library.
     assert out["host_malloc_reuse"] == (host_memory._glibc() is not None)
+
+
+def test_scheduled_sampling_benchmark_times_both_steps():
+    from flaxformer_lite.objectives.scheduled_sampling import ScheduledSampling
+
+    config = tiny_model_config(vocab_size=40, d_ff=64)
+    sampling = ScheduledSampling(mode="argmax")
+    r = benchmark.scheduled_sampling_benchmark(
+        config, sampling, batch=2, source_len=6, target_len=5, repeats=2, log=lambda s: None
+    )
+    assert r["teacher_forced_step_s"] > 0 and r["scheduled_sampling_step_s"] > 0
+    assert r["ratio"] == r["scheduled_sampling_step_s"] / r["teacher_forced_step_s"]

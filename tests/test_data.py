@@ -137,6 +137,23 @@ def test_digit_balance_repeats_rarer_digit_counts_by_its_formula():
     assert numbers.digit_repeats([5, 12, 345], 0.0) == {1: 1, 2: 1, 3: 1}
 
 
+def test_drawn_numbers_are_distinct_seeded_and_split_like_the_others():
+    args = dict(
+        languages=("en", "de"), max_number=10**9, seed=4, valid_fraction=0.1, test_fraction=0.1
+    )
+    split = numbers.generate_pairs(**args, always_train_below=10, num_numbers=500)
+    assert split == numbers.generate_pairs(**args, always_train_below=10, num_numbers=500)
+    sources = [s for name in split for s, _ in split[name]]
+    assert len(sources) == len(set(sources)) == 2 * 500 + 2 * 10
+    assert [len(split[name]) for name in ("validation", "test")] == [100, 100]
+    held = [int(s.split()[1]) for name in ("validation", "test") for s, _ in split[name]]
+    assert min(held) >= 10 and max(held) > 10**8  # uniform over 10..10^9
+    other = numbers.generate_pairs(**{**args, "seed": 5}, always_train_below=10, num_numbers=500)
+    assert split["test"] != other["test"]
+    with pytest.raises(ValueError, match="num_numbers=12 exceeds the 11 numbers"):
+        numbers.generate_pairs(["en", "de"], 20, 0, 0.1, 0.1, 10, 0.0, 12)
+
+
 def test_balanced_split_round_trips_through_tfds(tmp_path):
     args = {**SPLIT_ARGS, "max_number": 120, "always_train_below": 100, "digit_balance": 1.0}
     data = numbers.load_number_words(str(tmp_path), **args)

@@ -12,7 +12,11 @@ in seconds. Every ``(lang, number)`` with ``0 <= number <= max_number`` lands in
 the splits ``"train"``, ``"validation"`` and ``"test"``, so held-out splits measure
 generalisation to unseen numbers.
 
-Two options shape the splits (both off: every number may be held out, each seen once):
+Three options shape the splits (all off: every number may be held out, each seen once):
+
+* ``num_numbers``: instead of every number up to ``max_number``, this many distinct ones per
+  language, drawn uniformly with the seed (numbers up to 10^9 make outputs of 30-40 tokens,
+  long enough for one early error to derail the rest);
 
 * ``always_train_below``: the numbers below it go to "train" in every language, and the
   held-out splits are drawn from the others. Below 100 are the words no model can infer from
@@ -35,6 +39,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow_datasets as tfds
 from num2words import CONVERTER_CLASSES, num2words
 
@@ -93,6 +98,7 @@ def generate_pairs(
     test_fraction: float,
     always_train_below: int = 0,
     digit_balance: float = 0.0,
+    num_numbers: int = 0,
 ) -> dict[str, list[tuple[str, str]]]:
     """Generates the (source, target) string pairs of every split.
 
@@ -110,6 +116,8 @@ def generate_pairs(
         test_fraction: fraction of the eligible items held out for "test", in [0, 1).
         always_train_below: numbers below it are never held out (0: any may be).
         digit_balance: exponent b in [0, 1] of the training repeats (0: each pair once).
+        num_numbers: > 0: only this many distinct numbers >= always_train_below per language,
+            drawn uniformly with ``seed`` (in increasing order before the split's permutation).
 
     Returns:
         ``{"train": [...], "validation": [...], "test": [...]}`` of ``(source, target)`` tuples,
@@ -121,8 +129,21 @@ def generate_pairs(
     if max_number < 0:
         raise ValueError(f"max_number must be >= 0, got {max_number}")
 
+    if num_numbers < 0:
+        raise ValueError(f"num_numbers must be >= 0, got {num_numbers}")
     low = min(always_train_below, max_number + 1)
-    per_language = max_number + 1 - low  # the numbers that may be held out
+    eligible = max_number + 1 - low  # the numbers that may be held out
+    if num_numbers:
+        if num_numbers > eligible:
+            raise ValueError(
+                f"num_numbers={num_numbers} exceeds the {eligible} numbers from "
+                f"{low} to {max_number}"
+            )
+        rng = np.random.default_rng(seed)
+        drawn = [low + np.sort(rng.choice(eligible, num_numbers, replace=False)) for _ in languages]
+    else:
+        drawn = [np.arange(low, max_number + 1)] * len(languages)
+    per_language = len(drawn[0])
     items = seeded_split(
         len(languages) * per_language,
         seed=seed,
@@ -131,8 +152,11 @@ def generate_pairs(
     )
     chosen = {
         split: [
-            (languages[int(item) // per_language], low + int(item) % per_language)
-            for item in items[split]
+            (
+                languages[int(i) // per_language],
+                int(drawn[int(i) // per_language][int(i) % per_language]),
+            )
+            for i in items[split]
         ]
         for split in SPLITS
     }
@@ -169,6 +193,7 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         test_fraction: float,
         always_train_below: int = 0,
         digit_balance: float = 0.0,
+        num_numbers: int = 0,
     ) -> None:
         languages = _check_languages(languages)
         check_fractions(valid_fraction, test_fraction)
@@ -177,6 +202,7 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         # The options join the name only when set, so that older data keeps its directory.
         name += f"_a{always_train_below}" if always_train_below else ""
         name += f"_b{digit_balance:g}" if digit_balance else ""
+        name += f"_n{num_numbers}" if num_numbers else ""
         super().__init__(
             name=name,
             version=tfds.core.Version("1.0.0"),
@@ -184,7 +210,7 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
                 f"Numbers 0..{max_number} in languages {languages}, split with seed {seed}, "
                 f"validation fraction {valid_fraction}, test fraction {test_fraction}, "
                 f"numbers below {always_train_below} always in train, digit balance "
-                f"{digit_balance}."
+                f"{digit_balance}, {num_numbers or 'all'} numbers per language."
             ),
         )
         self.languages = languages
@@ -194,6 +220,7 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         self.test_fraction = test_fraction
         self.always_train_below = always_train_below
         self.digit_balance = digit_balance
+        self.num_numbers = num_numbers
 
 
 class NumberWords(PairsBuilder, skip_registration=True):
@@ -216,6 +243,7 @@ class NumberWords(PairsBuilder, skip_registration=True):
             config.test_fraction,
             config.always_train_below,
             config.digit_balance,
+            config.num_numbers,
         )
         # TFDS cannot write a split without examples (e.g. test_fraction=0), so empty splits are
         # left out here and filled in by `load_number_words`.
@@ -241,6 +269,7 @@ def load_number_words(
     test_fraction: float,
     always_train_below: int = 0,
     digit_balance: float = 0.0,
+    num_numbers: int = 0,
     *,
     log: Log | None = None,
 ) -> dict[str, Sequence[dict[str, bytes]]]:
@@ -263,6 +292,7 @@ def load_number_words(
         test_fraction=test_fraction,
         always_train_below=always_train_below,
         digit_balance=digit_balance,
+        num_numbers=num_numbers,
     )
     builder = NumberWords(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
     return prepare(builder, SPLITS, log)

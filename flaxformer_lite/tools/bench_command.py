@@ -167,6 +167,11 @@ def _train(f, config, log) -> dict:
         "target tokens, Adam, library train step"
     )
     shapes = dict(batch=f.batch, source_len=f.source_len, target_len=f.target_len)
+    sampling = _scheduled_sampling(f)
+    if sampling is not None:
+        return benchmark.scheduled_sampling_benchmark(
+            config, sampling, repeats=f.repeats, log=log, **shapes
+        )
     if f.compare:
         return benchmark.compare_train_benchmark(
             config,
@@ -177,6 +182,20 @@ def _train(f, config, log) -> dict:
             **shapes,
         )
     return benchmark.train_benchmark(config, steps=f.repeats, log=log, **shapes)
+
+
+def _scheduled_sampling(f):
+    """The scheduled sampling to time against teacher forcing: --config's section with
+    --scheduled_sampling's mode when given; None when neither turns it on."""
+    from flaxformer_lite import run_config
+    from flaxformer_lite.objectives.scheduled_sampling import ScheduledSampling
+
+    sampling = ScheduledSampling()
+    if f.config is not None:
+        sampling = run_config.scheduled_sampling_of(f.config)
+    if f.scheduled_sampling:
+        sampling = dataclasses.replace(sampling, mode=f.scheduled_sampling)
+    return sampling if sampling.enabled else None
 
 
 def _decode(f, config, log) -> dict:

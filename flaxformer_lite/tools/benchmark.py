@@ -12,6 +12,7 @@ steps.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -79,7 +80,7 @@ def _random_batch(
 
 
 def _library_train_step(
-    config: TransformerConfig, arrays: dict[str, np.ndarray]
+    config: TransformerConfig, arrays: dict[str, np.ndarray], scheduled_sampling=None
 ) -> tuple[Callable[[], dict[str, jax.Array]], dict[str, float]]:
     """Our jitted train step on one fixed batch.
 
@@ -88,6 +89,7 @@ def _library_train_step(
 
     Args:
       arrays: `_random_batch` output.
+      scheduled_sampling: the model's `ScheduledSampling` (None: teacher forcing).
     Returns:
       (run: one step -> its metric sums, {trace_s, lower_s, compile_s, params}).
     """
@@ -98,6 +100,8 @@ def _library_train_step(
     from flaxformer_lite.training.step import jit_train_step
 
     model = AutoregressiveModel(config, label_smoothing=0.1)
+    if scheduled_sampling is not None:
+        model = dataclasses.replace(model, scheduled_sampling=scheduled_sampling)
     tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
     mesh = partitioning.make_mesh()
     source_len, target_len = arrays["inputs"].shape[1], arrays["targets"].shape[1]
@@ -180,6 +184,46 @@ def train_benchmark(
 
 
 BASELINES = ("torch", "torch_compile")
+
+
+def scheduled_sampling_benchmark(
+    config: TransformerConfig,
+    scheduled_sampling,
+    *,
+    batch: int = 16,
+    source_len: int = 64,
+    target_len: int = 64,
+    repeats: int = 5,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """The train step with scheduled sampling against the teacher-forced one, on one batch.
+
+    Both steps are compiled first, then timed alternately (one of each per
+    repeat), so that both see the same machine; medians and their ratio.
+    """
+    arrays = _random_batch(config, batch, source_len, target_len)
+    runs = {
+        "teacher_forced": _library_train_step(config, arrays)[0],
+        "scheduled_sampling": _library_train_step(config, arrays, scheduled_sampling)[0],
+    }
+    for run in runs.values():
+        jax.block_until_ready(run())  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times[name].append(time.perf_counter() - t0)
+    tf_s, ss_s = (statistics.median(times[name]) for name in runs)
+    results = {"teacher_forced_step_s": tf_s, "scheduled_sampling_step_s": ss_s}
+    results["ratio"] = ss_s / tf_s
+    s = scheduled_sampling
+    log(
+        f"train step, teacher forcing: {tf_s:.4f} s; scheduled sampling ({s.mode}, {s.passes} "
+        f"passes, gradient {s.gradient}): {ss_s:.4f} s, x{ss_s / tf_s:.2f} "
+        f"(medians of {repeats}, alternating)"
+    )
+    return results
 
 
 def compare_train_benchmark(
