@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
     d.languages = ("en", "de", "fr")  # num2words language codes
     d.max_number = 9999  # numbers 0..max_number in every language
     d.always_train_below = 100  # never held out: below 100 are the irregular words (zwölf, douze)
-    d.digit_balance = 0.5  # repeat rarer digit counts: 1-digit 28x, 2-digit 9x, 3-digit 3x
+    d.shape_balance = 0.5  # repeat rarer shapes (digits, non-zero digits): 9000 27x, 9700 5x
     d.num_numbers = 0  # > 0: only this many numbers per language, drawn from 0..max_number
     # number_words and tsv: the seeded train/validation/test assignment.
     d.seed = 0  # seed of the assignment (not of training: that is train.seed)

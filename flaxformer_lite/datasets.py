@@ -76,7 +76,7 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
             data.valid_fraction,
             data.test_fraction,
             data.always_train_below,
-            data.digit_balance,
+            data.shape_balance,
             data.num_numbers,
         )
     from flaxformer_lite.data import translation

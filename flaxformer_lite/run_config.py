@@ -120,7 +120,7 @@ class DataConfig:
     languages: tuple[str, ...] = _field(("en", "de", "fr"), _strings)  # number_words
     max_number: int = _field(9999, NON_NEGATIVE)  # number_words
     always_train_below: int = _field(100, NON_NEGATIVE)  # number_words
-    digit_balance: float = _field(0.5, _number(0.0, 1.0, high_open=False))  # number_words
+    shape_balance: float = _field(0.5, _number(0.0, 1.0, high_open=False))  # number_words
     num_numbers: int = _field(0, NON_NEGATIVE)  # number_words: 0 = all up to max_number
     seed: int = _field(0, NON_NEGATIVE)  # number_words, tsv: the seeded split
     valid_fraction: float = _field(0.05, FRACTION)  # number_words, tsv

@@ -101,7 +101,7 @@ def test_every_enumerated_value(flag, choices):
         ("data.valid_fraction", 0.96, "leave no training examples"),
         ("data.max_number", -1, "data.max_number must be a non-negative integer"),
         ("data.max_number", 99, "data.always_train_below=100 keeps every number up to"),
-        ("data.digit_balance", 1.5, "data.digit_balance must be a number in [0, 1]"),
+        ("data.shape_balance", 1.5, "data.shape_balance must be a number in [0, 1]"),
         ("data.languages", (), "data.languages must be a non-empty tuple of strings"),
         ("data.languages", ("en", "xx"), "data.languages has 'xx', which num2words cannot"),
         ("data.split_names", {"dev": "val"}, "data.split_names has key 'dev'"),

@@ -116,25 +116,32 @@ def test_numbers_below_the_threshold_are_never_held_out():
     )
 
 
-def test_digit_balance_repeats_rarer_digit_counts_by_its_formula():
+def test_shape_balance_repeats_rarer_shapes_by_its_formula():
     args = {**SPLIT_ARGS, "always_train_below": 100}
     once = numbers.generate_pairs(**args)
-    balanced = numbers.generate_pairs(**args, digit_balance=0.5)
+    balanced = numbers.generate_pairs(**args, shape_balance=0.5)
     for name in ("validation", "test"):
         assert balanced[name] == once[name]
+
+    def shapes(pairs, lang):
+        return collections.Counter(
+            numbers.shape(int(s.split()[1])) for s, _ in pairs if s.startswith(lang + " ")
+        )
+
     for lang in LANGS:
-        digits = collections.Counter(
-            len(s.split()[1]) for s, _ in once["train"] if s.startswith(lang + " ")
-        )
-        copies = collections.Counter(
-            len(s.split()[1]) for s, _ in balanced["train"] if s.startswith(lang + " ")
-        )
-        most = max(digits.values())
-        for d, n in digits.items():
-            assert copies[d] == n * max(1, round((most / n) ** 0.5))
+        counts, copies = shapes(once["train"], lang), shapes(balanced["train"], lang)
+        most = max(counts.values())
+        for c, n in counts.items():
+            assert copies[c] == n * max(1, round((most / n) ** 0.5))
     assert set(balanced["train"]) == set(once["train"])
-    assert numbers.digit_repeats([5, 7, 12, 345, 346, 347, 348], 1.0) == {1: 2, 2: 4, 3: 1}
-    assert numbers.digit_repeats([5, 12, 345], 0.0) == {1: 1, 2: 1, 3: 1}
+    assert numbers.shape(9700) == (4, 2) and numbers.shape(0) == (1, 0)
+    assert numbers.shape_repeats([5, 7, 12, 30, 345, 346, 347, 348], 1.0) == {
+        (1, 1): 2,
+        (2, 2): 4,
+        (2, 1): 4,
+        (3, 3): 1,
+    }
+    assert numbers.shape_repeats([5, 12, 345], 0.0) == {(1, 1): 1, (2, 2): 1, (3, 3): 1}
 
 
 def test_drawn_numbers_are_distinct_seeded_and_split_like_the_others():
@@ -155,13 +162,13 @@ def test_drawn_numbers_are_distinct_seeded_and_split_like_the_others():
 
 
 def test_balanced_split_round_trips_through_tfds(tmp_path):
-    args = {**SPLIT_ARGS, "max_number": 120, "always_train_below": 100, "digit_balance": 1.0}
+    args = {**SPLIT_ARGS, "max_number": 120, "always_train_below": 100, "shape_balance": 1.0}
     data = numbers.load_number_words(str(tmp_path), **args)
     expected = numbers.generate_pairs(**args)
     for split in ("train", "validation", "test"):
         assert _decoded(data[split]) == expected[split]
     name = numbers.NumberWordsConfig(**args).name
-    assert name == "en-de-fr_120_s0_v0.05_t0.05_a100_b1"
+    assert name == "en-de-fr_120_s0_v0.05_t0.05_a100_sb1"
 
 
 def test_config_name_is_deterministic():

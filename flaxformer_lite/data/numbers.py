@@ -22,11 +22,13 @@ Three options shape the splits (all off: every number may be held out, each seen
   held-out splits are drawn from the others. Below 100 are the words no model can infer from
   others (``zwölf``, ``douze``, ``seventeen``, ``soixante-dix``, ``quatre-vingts``): holding
   one out tests memory, not generalisation. Every number above is a composition of them.
-* ``digit_balance`` (b in [0, 1]): a training number with d digits is repeated
-  ``round((n_max / n_d) ** b)`` times, n_d being the training numbers of that language with d
-  digits and n_max the largest such count. With b = 0 numbers below 100 are 1% of the training
-  pairs when ``max_number`` is 9999; b = 1 gives every digit count the same share; b = 0.5 is
-  in between (1-digit numbers 2%, 2-digit 7%, 3-digit 21%).
+* ``shape_balance`` (b in [0, 1]): length-balanced sampling. A number's shape is its count
+  of digits and of non-zero digits (4721: 4 and 4; 9700: 4 and 2; 30: 2 and 1), which sets
+  how many words it has. A training number of shape c is repeated ``round((n_max / n_c) ** b)``
+  times, n_c being the training numbers of that language with shape c and n_max the largest
+  such count. With b = 0 and ``max_number`` 9999, numbers below 100 are 1% of the training
+  pairs and round thousands 0.1%; b = 1 gives every shape the same share; b = 0.5 is in
+  between (below 100: 7%, round thousands 1.4%, 4 non-zero digits 38% instead of 66%).
 
 The pairs are exposed in two ways: :func:`generate_pairs` returns them as Python lists, and
 :class:`NumberWords` is a TFDS builder that writes them to ``array_record`` files, read back by
@@ -73,21 +75,26 @@ def _check_languages(languages: Sequence[str]) -> tuple[str, ...]:
     return languages
 
 
-def _check_options(always_train_below: int, digit_balance: float) -> None:
+def _check_options(always_train_below: int, shape_balance: float) -> None:
     if always_train_below < 0:
         raise ValueError(f"always_train_below must be >= 0, got {always_train_below}")
-    if not 0.0 <= digit_balance <= 1.0:
-        raise ValueError(f"digit_balance must be in [0, 1], got {digit_balance}")
+    if not 0.0 <= shape_balance <= 1.0:
+        raise ValueError(f"shape_balance must be in [0, 1], got {shape_balance}")
 
 
-def digit_repeats(train_numbers: Sequence[int], digit_balance: float) -> dict[int, int]:
-    """``{digit count: repeats}`` of one language's training numbers (see the module doc)."""
-    counts: dict[int, int] = {}
+def shape(number: int) -> tuple[int, int]:
+    """(digits, non-zero digits) of a number: 9700 -> (4, 2)."""
+    digits = str(number)
+    return len(digits), len(digits) - digits.count("0")
+
+
+def shape_repeats(train_numbers: Sequence[int], shape_balance: float) -> dict[tuple[int, int], int]:
+    """``{shape: repeats}`` of one language's training numbers (see the module doc)."""
+    counts: dict[tuple[int, int], int] = {}
     for number in train_numbers:
-        d = len(str(number))
-        counts[d] = counts.get(d, 0) + 1
+        counts[shape(number)] = counts.get(shape(number), 0) + 1
     most = max(counts.values(), default=1)
-    return {d: max(1, round((most / n) ** digit_balance)) for d, n in counts.items()}
+    return {c: max(1, round((most / n) ** shape_balance)) for c, n in counts.items()}
 
 
 def generate_pairs(
@@ -97,7 +104,7 @@ def generate_pairs(
     valid_fraction: float,
     test_fraction: float,
     always_train_below: int = 0,
-    digit_balance: float = 0.0,
+    shape_balance: float = 0.0,
     num_numbers: int = 0,
 ) -> dict[str, list[tuple[str, str]]]:
     """Generates the (source, target) string pairs of every split.
@@ -105,8 +112,8 @@ def generate_pairs(
     The items ``(lang, number)`` with ``number >= always_train_below`` are ordered
     language-major, then assigned to splits by :func:`~.common.seeded_split`; each split keeps
     the permutation order. The numbers below ``always_train_below`` follow in "train"
-    (language-major). With ``digit_balance`` > 0 each training pair is repeated, its copies
-    side by side, as :func:`digit_repeats` says. The result depends only on the arguments.
+    (language-major). With ``shape_balance`` > 0 each training pair is repeated, its copies
+    side by side, as :func:`shape_repeats` says. The result depends only on the arguments.
 
     Args:
         languages: ``num2words`` language codes, e.g. ``("en", "de", "fr")``.
@@ -115,7 +122,7 @@ def generate_pairs(
         valid_fraction: fraction of the eligible items held out for "validation", in [0, 1).
         test_fraction: fraction of the eligible items held out for "test", in [0, 1).
         always_train_below: numbers below it are never held out (0: any may be).
-        digit_balance: exponent b in [0, 1] of the training repeats (0: each pair once).
+        shape_balance: exponent b in [0, 1] of the training repeats (0: each pair once).
         num_numbers: > 0: only this many distinct numbers >= always_train_below per language,
             drawn uniformly with ``seed`` (in increasing order before the split's permutation).
 
@@ -125,7 +132,7 @@ def generate_pairs(
     """
     languages = _check_languages(languages)
     check_fractions(valid_fraction, test_fraction)
-    _check_options(always_train_below, digit_balance)
+    _check_options(always_train_below, shape_balance)
     if max_number < 0:
         raise ValueError(f"max_number must be >= 0, got {max_number}")
 
@@ -162,7 +169,7 @@ def generate_pairs(
     }
     chosen["train"] += [(lang, number) for lang in languages for number in range(low)]
     repeats = {
-        lang: digit_repeats([n for code, n in chosen["train"] if code == lang], digit_balance)
+        lang: shape_repeats([n for code, n in chosen["train"] if code == lang], shape_balance)
         for lang in languages
     }
     pairs: dict[str, list[tuple[str, str]]] = {}
@@ -170,7 +177,7 @@ def generate_pairs(
         split_pairs = []
         for lang, number in chosen[split]:
             pair = (f"{lang} {number}", num2words(number, lang=lang))
-            copies = repeats[lang][len(str(number))] if split == "train" else 1
+            copies = repeats[lang][shape(number)] if split == "train" else 1
             split_pairs.extend([pair] * copies)
         pairs[split] = split_pairs
     return pairs
@@ -192,16 +199,16 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         valid_fraction: float,
         test_fraction: float,
         always_train_below: int = 0,
-        digit_balance: float = 0.0,
+        shape_balance: float = 0.0,
         num_numbers: int = 0,
     ) -> None:
         languages = _check_languages(languages)
         check_fractions(valid_fraction, test_fraction)
-        _check_options(always_train_below, digit_balance)
+        _check_options(always_train_below, shape_balance)
         name = f"{'-'.join(languages)}_{max_number}_s{seed}_v{valid_fraction:g}_t{test_fraction:g}"
         # The options join the name only when set, so that older data keeps its directory.
         name += f"_a{always_train_below}" if always_train_below else ""
-        name += f"_b{digit_balance:g}" if digit_balance else ""
+        name += f"_sb{shape_balance:g}" if shape_balance else ""
         name += f"_n{num_numbers}" if num_numbers else ""
         super().__init__(
             name=name,
@@ -210,7 +217,7 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
                 f"Numbers 0..{max_number} in languages {languages}, split with seed {seed}, "
                 f"validation fraction {valid_fraction}, test fraction {test_fraction}, "
                 f"numbers below {always_train_below} always in train, digit balance "
-                f"{digit_balance}, {num_numbers or 'all'} numbers per language."
+                f"{shape_balance}, {num_numbers or 'all'} numbers per language."
             ),
         )
         self.languages = languages
@@ -219,7 +226,7 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
         self.valid_fraction = valid_fraction
         self.test_fraction = test_fraction
         self.always_train_below = always_train_below
-        self.digit_balance = digit_balance
+        self.shape_balance = shape_balance
         self.num_numbers = num_numbers
 
 
@@ -242,7 +249,7 @@ class NumberWords(PairsBuilder, skip_registration=True):
             config.valid_fraction,
             config.test_fraction,
             config.always_train_below,
-            config.digit_balance,
+            config.shape_balance,
             config.num_numbers,
         )
         # TFDS cannot write a split without examples (e.g. test_fraction=0), so empty splits are
@@ -252,7 +259,7 @@ class NumberWords(PairsBuilder, skip_registration=True):
     def _generate_examples(
         self, pairs: list[tuple[str, str]]
     ) -> Iterator[tuple[str, dict[str, str]]]:
-        # A source appears once per split, or in copies side by side (digit_balance): the
+        # A source appears once per split, or in copies side by side (shape_balance): the
         # source and its copy number make a unique key.
         copy = 0
         for i, (source, target) in enumerate(pairs):
@@ -268,7 +275,7 @@ def load_number_words(
     valid_fraction: float,
     test_fraction: float,
     always_train_below: int = 0,
-    digit_balance: float = 0.0,
+    shape_balance: float = 0.0,
     num_numbers: int = 0,
     *,
     log: Log | None = None,
@@ -291,7 +298,7 @@ def load_number_words(
         valid_fraction=valid_fraction,
         test_fraction=test_fraction,
         always_train_below=always_train_below,
-        digit_balance=digit_balance,
+        shape_balance=shape_balance,
         num_numbers=num_numbers,
     )
     builder = NumberWords(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
