@@ -183,6 +183,10 @@ def test_length_buckets_metrics_and_table(bigram_report):
     report, _, _ = bigram_report
     buckets = [(b.label, b.count, b.tf_exact, b.fr_exact) for b in report.length_buckets]
     assert buckets == [("1-4", 3, 1 / 3, 1 / 3), ("5-8", 1, 0.0, 0.0), ("9-16", 2, 0.0, 0.0)]
+    # Token accuracies of the same examples: forced right 2+1+2 | 6 | 9+11, matched 2+0+2 |
+    # 5 | 0+10, of 2+3+3 | 7 | 11+12 tokens.
+    accuracies = [x for b in report.length_buckets for x in (b.tf_accuracy, b.fr_accuracy)]
+    assert accuracies == pytest.approx([5 / 8, 4 / 8, 6 / 7, 5 / 7, 20 / 23, 10 / 23])
     metrics = report.metrics()
     assert metrics["eb_tf_exact_len1-4"] == metrics["eb_fr_exact_len1-4"] == 1 / 3
     assert metrics["eb_count_len9-16"] == 2.0 and "eb_count_len17-32" not in metrics
@@ -192,6 +196,7 @@ def test_length_buckets_metrics_and_table(bigram_report):
     table = report.table()
     assert "free-running 0.5000" in table and "0:2 2:1 5:1 10:1" in table
     assert "9-16" in table and len(table.splitlines()) == 4 + 4 + 1 + 3
+    assert table.splitlines()[-1].split() == ["9-16", "2", "0.000", "0.000", "0.870", "0.435"]
 
 
 # ----------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def _loop_report(gold, forced, greedy, gold_nll, own_nll, ks):
     tf_hits = tf_total = fr_hits = 0
     errors, hist = [], [0] * gold.shape[1]
     swaps = {k: [] for k in ks}
-    tf_exact, fr_exact, lengths = [], [], []
+    tf_exact, fr_exact, lengths, tf_hit, fr_hit = [], [], [], [], []
     for i in range(len(gold)):
         y, h = seq(gold[i]), seq(greedy[i])
         f = [int(x) for x in forced[i, : len(y)]]
@@ -282,14 +287,18 @@ def _loop_report(gold, forced, greedy, gold_nll, own_nll, ks):
         tf_exact.append(f == y)
         fr_exact.append(h == y)
         lengths.append(len(y))
-    return tf_hits / tf_total, fr_hits / tf_total, hist, errors, swaps, tf_exact, fr_exact, lengths
+        tf_hit.append(sum(a == b for a, b in zip(f, y)))
+        fr_hit.append(matched)
+    buckets = (tf_exact, fr_exact, lengths, tf_hit, fr_hit)
+    return tf_hits / tf_total, fr_hits / tf_total, hist, errors, swaps, buckets
 
 
 def test_numpy_figures_equal_a_loop_per_example():
     rng = np.random.default_rng(1)
     arrays = _random_set(rng)
     report = eb.compute_report(*arrays)
-    tf, fr, hist, errors, swaps, tf_exact, fr_exact, lengths = _loop_report(*arrays, eb.KS)
+    tf, fr, hist, errors, swaps, buckets = _loop_report(*arrays, eb.KS)
+    tf_exact, fr_exact, lengths, tf_hit, fr_hit = buckets
     assert report.tf_token_accuracy == pytest.approx(tf, abs=1e-12)
     assert report.fr_token_accuracy == pytest.approx(fr, abs=1e-12)
     assert list(report.first_error_histogram) == hist
@@ -306,6 +315,9 @@ def test_numpy_figures_equal_a_loop_per_example():
         assert b.count == len(inside)
         assert b.tf_exact == pytest.approx(np.mean([tf_exact[i] for i in inside]))
         assert b.fr_exact == pytest.approx(np.mean([fr_exact[i] for i in inside]))
+        tokens = sum(lengths[i] for i in inside)
+        assert b.tf_accuracy == pytest.approx(sum(tf_hit[i] for i in inside) / tokens)
+        assert b.fr_accuracy == pytest.approx(sum(fr_hit[i] for i in inside) / tokens)
 
 
 def test_an_empty_set_reports_nan_not_an_error():

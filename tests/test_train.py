@@ -39,7 +39,7 @@ def test_tiny_config_learns(tfds_dir, tmp_path):
     errors = test["eb_first_error_hist"]  # examples per first-error position
     assert len(errors) == 16 and sum(errors) == round(20 * (1 - test["exact_match"]))
     (table,) = [m for m in logs if m.startswith("test exposure bias report:")]
-    assert "prefix swap" in table and "exact match" in table
+    assert "prefix swap" in table and "by length" in table
     (shown,) = [m for m in logs if m.startswith("step 300 test:")]
     assert "eb_accuracy_gap=" in shown and "eb_prefix" not in shown  # details: jsonl only
 

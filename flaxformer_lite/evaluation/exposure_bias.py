@@ -26,8 +26,12 @@ The figures (see `Report` and README "Exposure bias report"):
   - prefix swap (He et al. 2021, "Exposure Bias versus Self-Recovery"): the
     gold suffix's NLL after the model's own prefix over its NLL after the gold
     prefix; > 1 means the model's own prefixes hurt it.
-  - exact match by gold length bucket, TF (every forced argmax right) vs FR
-    (greedy output == gold).
+  - by gold length bucket: exact match, TF (every forced argmax right) vs FR
+    (greedy output == gold), and the two token accuracies. With greedy
+    decoding the two exact matches agree (greedy output is gold exactly when
+    every forced argmax is), up to near-ties that cached decoding and the full
+    forward pass round differently; the token accuracies show where the
+    errors accumulate.
 
 Comparisons are position by position, so an insertion or a deletion counts as
 an error at every later position (Arora et al. 2022 use an oracle model for
@@ -173,6 +177,8 @@ class LengthBucket:
     count: int
     tf_exact: float  # fraction with every teacher-forced argmax right
     fr_exact: float  # fraction whose greedy output equals the gold sequence
+    tf_accuracy: float  # teacher-forced token accuracy of these examples
+    fr_accuracy: float  # free-running token accuracy (matched prefixes) of these examples
 
     @property
     def label(self) -> str:
@@ -191,7 +197,7 @@ def length_buckets(
     greedy: np.ndarray,
     buckets: tuple[tuple[int, int | None], ...] = LENGTH_BUCKETS,
 ) -> tuple[LengthBucket, ...]:
-    """TF and FR exact match per gold-length bucket; empty buckets are left out.
+    """TF and FR exact match and token accuracy per gold-length bucket; empty ones left out.
 
     Args:
       gold, forced: int[N, T]; greedy: int[N, L].
@@ -199,8 +205,8 @@ def length_buckets(
     gold, forced = np.asarray(gold), np.asarray(forced)
     lengths = sequence_lengths(gold)
     real = np.arange(gold.shape[1]) < lengths[:, None]
-    tf_exact = ((forced == gold) | ~real).all(axis=1)  # [N]
-    fr_exact = matched_prefix(gold, greedy) == lengths  # [N]
+    tf_hits = ((forced == gold) & real).sum(axis=1)  # [N]
+    matched = matched_prefix(gold, greedy)  # [N]
     out = []
     for low, high in buckets:
         inside = (lengths >= low) & (lengths <= (high if high is not None else np.inf))
@@ -211,8 +217,10 @@ def length_buckets(
                     low,
                     high,
                     count,
-                    float(tf_exact[inside].mean()),
-                    float(fr_exact[inside].mean()),
+                    tf_exact=float((tf_hits == lengths)[inside].mean()),
+                    fr_exact=float((matched == lengths)[inside].mean()),
+                    tf_accuracy=_ratio(tf_hits[inside].sum(), lengths[inside].sum()),
+                    fr_accuracy=_ratio(matched[inside].sum(), lengths[inside].sum()),
                 )
             )
     return tuple(out)
@@ -256,6 +264,8 @@ class Report:
         for b in self.length_buckets:
             out[f"eb_tf_exact_len{b.key}"] = b.tf_exact
             out[f"eb_fr_exact_len{b.key}"] = b.fr_exact
+            out[f"eb_tf_accuracy_len{b.key}"] = b.tf_accuracy
+            out[f"eb_fr_accuracy_len{b.key}"] = b.fr_accuracy
             out[f"eb_count_len{b.key}"] = float(b.count)
         return out
 
@@ -280,10 +290,11 @@ class Report:
                 f"                {s.k:<2} {s.gold_nll:8.4f}  {s.own_nll:8.4f}  {s.ratio:6.3f}"
                 f"  {s.n:5d}  {s.differ:6.3f}"
             )
-        lines.append("exact match     length      n  teacher-forced  free-running")
+        lines.append("by length       length      n  exact TF  exact FR  tokens TF  tokens FR")
         for b in self.length_buckets:
             lines.append(
-                f"                {b.label:<9} {b.count:4d}  {b.tf_exact:14.3f}  {b.fr_exact:12.3f}"
+                f"                {b.label:<9} {b.count:4d}  {b.tf_exact:8.3f}  {b.fr_exact:8.3f}"
+                f"  {b.tf_accuracy:9.3f}  {b.fr_accuracy:9.3f}"
             )
         return "\n".join(lines)
 
