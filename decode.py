@@ -5,6 +5,7 @@ echo "de 4721" | python decode.py --workdir workdirs/default --beam_size 1
 python decode.py --workdir workdirs/default --input in.txt --reference ref.txt
 python decode.py --workdir workdirs/default --input in.txt --nbest 3 --attention_png plots/
 python decode.py --workdir workdirs/default --input in.txt --reference ref.txt --score
+python decode.py --workdir workdirs/default --input in.txt --reference ref.txt --report
 """
 
 import sys
@@ -21,6 +22,13 @@ SCORE_HELP = (
     "Forced decoding of --reference instead of search: one line per input, the log-probability "
     "of its reference line (the sum over its target tokens, EOS included). An empty reference "
     "scores EOS alone; an empty source gives an empty line (nothing is decoded)."
+)
+
+
+REPORT_HELP = (
+    "With --reference: decode greedily (--beam_size defaults to 1) and print the exposure-bias "
+    "report to stderr: teacher-forced vs free-running accuracy, first errors, prefix swaps, "
+    "exact match by length."
 )
 
 
@@ -47,6 +55,7 @@ def define_flags() -> None:
     DEFINE_integer("attention_layer", -1, "Decoder layer to plot (negative: from the end).")
     DEFINE_bool("score", False, SCORE_HELP)
     DEFINE_bool("score_tokens", False, "With --score: also each token's log-prob, tab-separated.")
+    DEFINE_bool("report", False, REPORT_HELP)
 
 
 @cli.friendly_errors
@@ -57,11 +66,11 @@ def main(argv):
         logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
     from flaxformer_lite.translate import command, files
 
+    values = {name: FLAGS[name].value for name in command.Options.names()}
+    if FLAGS.report and not FLAGS["beam_size"].present:
+        values["beam_size"] = 1  # the report decodes greedily
     try:
-        command.run(
-            command.Options(**{name: FLAGS[name].value for name in command.Options.names()}),
-            on_inputs_checked=cli.report_platform,
-        )
+        command.run(command.Options(**values), on_inputs_checked=cli.report_platform)
     except files.InputError as e:
         cli.fail(str(e))
 

@@ -99,6 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.eval_beam_size = 4  # beams when eval_search is beam
     t.eval_alpha = 0.6  # GNMT length penalty for beam search
     t.eval_bleu = False  # also report sacreBLEU and chrF
+    # Exposure-bias report with every evaluation (eb_* metrics, a table at the end): TF vs
+    # greedy accuracy, first errors, prefix swaps; one argmax + 5 scoring passes per batch.
+    t.exposure_report = True
     t.checkpoint_every = 500  # steps between checkpoints
     t.keep_checkpoints = 3  # most recent checkpoints kept
     t.keep_best_checkpoints = 1  # also kept: the best by validation best_metric (0: none)

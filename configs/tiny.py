@@ -21,5 +21,6 @@ def get_config() -> ml_collections.ConfigDict:
     t.num_steps, t.log_every, t.eval_every = 20, 5, 0  # 20 steps, log every 5, eval at end
     t.checkpoint_every, t.keep_checkpoints = 10, 5  # checkpoints at 10 and 20
     t.num_examples_to_print = 2  # test examples shown at the end
+    t.exposure_report = False  # smoke runs compile no report functions
     t.progress_bar, t.tensorboard = False, True  # quiet terminal, event files on
     return config

@@ -174,6 +174,7 @@ class TrainConfig:
     eval_beam_size: int = _field(4, POSITIVE)
     eval_alpha: float = _field(0.6, _number(0.0))
     eval_bleu: bool = _field(False, _boolean)
+    exposure_report: bool = _field(True, _boolean)
     checkpoint_every: int = _field(500, NON_NEGATIVE)
     keep_checkpoints: int = _field(3, POSITIVE)
     keep_best_checkpoints: int = _field(1, NON_NEGATIVE)

@@ -75,6 +75,7 @@ def test_every_enumerated_value(flag, choices):
         ("train.keep_checkpoints", 0, "train.keep_checkpoints must be a positive integer"),
         ("train.num_examples_to_print", -1, "train.num_examples_to_print must be a non-neg"),
         ("train.eval_bleu", "yes", "train.eval_bleu must be True or False"),
+        ("train.exposure_report", 1, "train.exposure_report must be True or False"),
         ("train.progress_bar", 1, "train.progress_bar must be True or False"),
         ("train.seed", -1, "train.seed must be a non-negative integer"),
         ("train.bach_size", 8, "train.bach_size is not a train field"),

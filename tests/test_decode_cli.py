@@ -267,3 +267,28 @@ def test_cli_bad_input_one_line(workdir, tmp_path, case, words):
     assert result.returncode == 2
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
     assert result.stdout == b"" and not out.exists()
+
+
+def test_cli_report_prints_the_exposure_table(workdir, tmp_path):
+    src, ref, out = tmp_path / "in.txt", tmp_path / "ref.txt", tmp_path / "out.txt"
+    src.write_text("en 12\n\nde 45\nen 7\n")
+    ref.write_text("twelve\n\nfünfundvierzig\nseven\n", encoding="utf-8")
+    result = run_decode(
+        *("--workdir", workdir, "--input", str(src), "--output", str(out)),
+        *("--reference", str(ref), "--report"),  # greedy: --beam_size defaults to 1
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr[-3000:]
+    assert len(out.read_text(encoding="utf-8").split("\n")) == 4 + 1  # one line per input
+    lines = stderr.splitlines()
+    start = lines.index("exposure bias over 3 example(s), greedy decoding vs the references")
+    assert lines[start + 1].startswith("token accuracy  teacher-forced")
+    assert lines[start + 3].split()[:4] == ["prefix", "swap", "k", "gold"]
+    assert any(x.startswith("BLEU") for x in lines)  # decoding's own report is kept
+    refused = run_decode(
+        *("--workdir", workdir, "--input", str(src), "--reference", str(ref)),
+        *("--report", "--beam_size", "4"),  # asked for explicitly: a contradiction
+    )
+    err = refused.stderr.decode().strip().splitlines()
+    assert refused.returncode == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --report always decodes greedily") and "--beam_size" in err[0]

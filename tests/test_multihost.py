@@ -52,7 +52,7 @@ assert jax.device_count() == {processes} * {local}, jax.devices()
 # Trains; all processes restore the checkpoint together; process 0 saves the parameters.
 TRAIN = """
 import json
-config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8)
+config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8, exposure_report=True)
 results = loop.train_and_evaluate(config, {workdir!r}, log=print)
 with open(f"{out}.{{jax.process_index()}}.json", "w") as f:
     json.dump(results, f)
@@ -158,6 +158,10 @@ def test_two_processes_train_like_one(prepared_tfds, tmp_path):
     # Evaluation gathered every hypothesis onto both processes: the same metrics.
     metrics = [json.loads((tmp_path / f"params_2x2.npz.{i}.json").read_text()) for i in range(2)]
     assert metrics[0] == metrics[1] and metrics[0]["step"] == 8
+    # The exposure report gathered its per-example arrays too: every row counted once.
+    assert metrics[0]["test_eb_tf_token_accuracy"] == pytest.approx(
+        metrics[0]["test_token_accuracy"]
+    )
     two = dict(np.load(out))
     assert_params_close(two, one)
 

@@ -12,15 +12,16 @@ from flaxformer_lite.training import checkpoints, loop
 from flaxformer_lite.training.checkpoints import CheckpointIntegrityError, WorkdirError
 
 
-def _train_records(workdir):
+def _train_records(workdir, split="train"):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["split"] == "train"]
+        return [r for r in map(json.loads, f) if r["split"] == split]
 
 
 def test_tiny_config_learns(tfds_dir, tmp_path):
-    config = tiny_config(tfds_dir, num_steps=300, log_every=25)
+    config = tiny_config(tfds_dir, num_steps=300, log_every=25, exposure_report=True)
     config.optim.learning_rate = 5e-3
-    results = loop.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
+    logs = []
+    results = loop.train_and_evaluate(config, str(tmp_path / "run"), log=logs.append)
     records = _train_records(tmp_path / "run")
     first, last = records[0]["nll"], records[-1]["nll"]
     assert last < 0.25 * first, (first, last)
@@ -29,6 +30,18 @@ def test_tiny_config_learns(tfds_dir, tmp_path):
     for key in ("test_exact_match", "test_loss", "test_perplexity", "validation_nll"):
         assert key in results
     assert records[-1]["tokens_per_sec"] > 0
+    # The exposure-bias report of every evaluation: metrics.jsonl and a table at the end.
+    (test,) = _train_records(tmp_path / "run", "test")
+    assert test["eb_tf_token_accuracy"] == pytest.approx(test["token_accuracy"])
+    assert 0 < test["eb_fr_token_accuracy"] <= test["eb_tf_token_accuracy"]
+    assert test["eb_prefix_n_k1"] > 0 and test["eb_prefix_ratio_k1"] > 0
+    assert results["test_eb_accuracy_gap"] == pytest.approx(test["eb_accuracy_gap"])
+    errors = test["eb_first_error_hist"]  # examples per first-error position
+    assert len(errors) == 16 and sum(errors) == round(20 * (1 - test["exact_match"]))
+    (table,) = [m for m in logs if m.startswith("test exposure bias report:")]
+    assert "prefix swap" in table and "by length" in table
+    (shown,) = [m for m in logs if m.startswith("step 300 test:")]
+    assert "eb_accuracy_gap=" in shown and "eb_prefix" not in shown  # details: jsonl only
 
 
 def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):

@@ -176,3 +176,9 @@ class AutoregressiveModel(Seq2SeqModel):
             params, batch, decoder_inputs, module=module, mutable=["intermediates"]
         )
         return captured_attention(state["intermediates"], tuple(layers), self.config)
+
+    def forced_argmax(self, params, batch):
+        targets = batch["targets"]  # [B, T]
+        logits = self._forward(params, batch, shift_right(targets, self.bos_id))  # [B, T, V]
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+        return jnp.where(targets != PAD_ID, best, PAD_ID)

@@ -94,3 +94,15 @@ class Seq2SeqModel(abc.ABC):
           {name: float32[B, N, T_q, T_k]}, each row summing to 1 where a query
           has any key to attend to.
         """
+
+    @abc.abstractmethod
+    def forced_argmax(self, params: Params, batch: Batch) -> jax.Array:
+        """The most likely token at every target position given the gold prefix.
+
+        The teacher-forced counterpart of greedy decoding: position t is the
+        argmax of p(. | source, targets[:t]). Exposure-bias reports compare it
+        with free-running output (`evaluation/exposure_bias.py`).
+
+        Returns:
+          int32[B, T], PAD_ID where the targets are PAD_ID.
+        """

@@ -9,6 +9,7 @@ from jax.experimental import multihost_utils
 
 from flaxformer_lite.bleu import corpus_scores
 from flaxformer_lite.data import tokenizer as tokenizer_lib
+from flaxformer_lite.evaluation import exposure_bias, exposure_probe
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import step as step_lib
@@ -18,6 +19,26 @@ class Evaluation(NamedTuple):
     metrics: dict[str, float]
     pairs: list[tuple[str, str]]  # (prediction, reference) per evaluated example
     bleu_signature: str | None  # sacreBLEU's, when BLEU was computed
+    exposure: exposure_bias.Report | None = None  # with a probe; its scalars are in metrics
+
+    def record(self) -> dict:
+        """What metrics.jsonl and TensorBoard get: the metrics and the report's histogram."""
+        return self.metrics | (self.exposure.histograms() if self.exposure else {})
+
+
+# The exposure-report metrics an evaluation's log line shows.
+EXPOSURE_SHOWN = ("eb_tf_token_accuracy", "eb_fr_token_accuracy", "eb_accuracy_gap")
+
+
+def shown_metrics(metrics: dict[str, float]) -> str:
+    """An evaluation's log line: the metrics but the exposure report's details.
+
+    The details (prefix swaps, length buckets) are in metrics.jsonl and in the
+    report's table.
+    """
+    return " ".join(
+        f"{k}={v:.4f}" for k, v in metrics.items() if not k.startswith("eb_") or k in EXPOSURE_SHOWN
+    )
 
 
 def evaluate(
@@ -31,6 +52,7 @@ def evaluate(
     decode_fn,
     max_batches: int | None = None,
     bleu: bool = False,
+    exposure: exposure_probe.Probe | None = None,
 ) -> Evaluation:
     """Teacher-forced metrics, and free-running decoding scored against the references.
 
@@ -44,14 +66,19 @@ def evaluate(
       eval_fn: (params, batch) -> metric sums (`Seq2SeqModel.evaluate`, jitted).
       decode_fn: (params, batch) -> int32[B, T] best hypotheses.
       bleu: also compute sacreBLEU and chrF (corpus level).
+      exposure: also the exposure-bias report (`evaluation/exposure_bias.py`) of
+        the same examples: `Probe.for_search` of decode_fn's search, so that
+        greedy tokens are reused.
     Returns:
-      metrics, (prediction, reference) pairs of every evaluated example, and the
-      BLEU signature when `bleu` (computed with the scores, not again).
+      metrics, (prediction, reference) pairs of every evaluated example, the
+      BLEU signature when `bleu` (computed with the scores, not again), and the
+      exposure report with its scalars (eb_...) added to the metrics.
     """
     target_vocab = tokenizer_lib.Vocabularies.of(tokenizer).target
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
     totals: dict[str, float] = {}
     hyps: list[str] = []
+    probed: list[exposure_probe.ProbeArrays] = []
     for i in range(n):
         host = dataset[i]
         rows = partitioning.process_rows(len(host["valid"]), mesh)
@@ -59,8 +86,11 @@ def evaluate(
         for k, v in jax.device_get(eval_fn(params, batch)).items():
             totals[k] = totals.get(k, 0.0) + float(v)
         # [B, T]; a plain host copy with one process, an all-gather across processes.
-        predicted = multihost_utils.process_allgather(decode_fn(params, batch), tiled=True)
+        decoded = decode_fn(params, batch)
+        predicted = multihost_utils.process_allgather(decoded, tiled=True)
         hyps.extend(target_vocab.decode_batch(predicted[host["valid"]]))
+        if exposure is not None:
+            probed.append(exposure.arrays(params, batch, decoded).rows(host["valid"]))
     refs = references[: len(hyps)]
     metrics = cross_entropy.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
@@ -69,7 +99,11 @@ def evaluate(
         scores = corpus_scores(hyps, refs)
         metrics["bleu"], metrics["chrf"] = scores.bleu, scores.chrf
         signature = scores.signature
-    return Evaluation(metrics, list(zip(hyps, refs)), signature)
+    report = None
+    if exposure is not None:
+        report = exposure.report(probed)
+        metrics.update(report.metrics())
+    return Evaluation(metrics, list(zip(hyps, refs)), signature, report)
 
 
 def print_examples(dataset, tokenizer, pairs, count: int, log) -> None:

@@ -27,6 +27,7 @@ from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.common import texts
+from flaxformer_lite.evaluation import exposure_probe
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.base import Seq2SeqModel
@@ -225,9 +226,8 @@ class Run:
     def evaluate(self, split: str, step: int, max_batches: int | None = None):
         with self.watch("eval", f"{split} evaluation at step {step}"):
             result = self._evaluate(split, max_batches)
-        self.writer.write(step, split, result.metrics)
-        shown = " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
-        self.log(f"step {step} {split}: {shown}")
+        self.writer.write(step, split, result.record())
+        self.log(f"step {step} {split}: {evaluate_lib.shown_metrics(result.metrics)}")
         return result
 
     def _evaluate(self, split: str, max_batches: int | None):
@@ -241,6 +241,9 @@ class Run:
             decode_fn=self.decode_fn,
             max_batches=max_batches,
             bleu=self.config.train.eval_bleu,
+            exposure=exposure_probe.Probe.for_search(self.model, search_from_config(self.config))
+            if self.config.train.exposure_report
+            else None,
         )
 
 
@@ -459,6 +462,8 @@ def final_evaluation(run: Run) -> dict[str, float]:
         if result.bleu_signature:
             run.log(f"{split} BLEU by sacreBLEU, signature {result.bleu_signature}")
         run.stop_if_preempted(final_step)
+    if run.eval_sets and result.exposure is not None:  # the test split's, or the last one's
+        run.log(f"{split} exposure bias report:\n{result.exposure.table()}")
     return results
 
 

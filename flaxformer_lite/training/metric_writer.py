@@ -3,6 +3,11 @@
 Only process 0 writes; other processes get a writer that does nothing. A record
 is appended with one write and rolled back if the write fails (a full disk), so
 the file never holds a torn line, and the failure is one `WorkdirError`.
+
+A metric is a number, or a list of counts per integer bin 0, 1, 2, ... (a
+histogram, such as the exposure report's first-error positions): the list
+goes to metrics.jsonl as it is and to TensorBoard as a histogram. Readers that
+want scalars skip list values.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from flaxformer_lite.training.workdir import WorkdirError
 
@@ -39,11 +45,22 @@ class MetricWriter:
             return
         record = {"step": int(step), "split": split, "time": round(time.time(), 3)}
         for k, v in metrics.items():
+            if isinstance(v, (list, tuple)):
+                record[k] = [int(c) for c in v]
+                self._histogram(f"{split}/{k}", record[k], int(step))
+                continue
             v = float(v)
             record[k] = v if math.isfinite(v) else str(v)
             if self._tb is not None:
                 self._tb.add_scalar(f"{split}/{k}", v, int(step))
         self._append((json.dumps(record) + "\n").encode("utf-8"))
+
+    def _histogram(self, tag: str, counts: list[int], step: int) -> None:
+        """Counts per bin 0..n-1 as a TensorBoard histogram with one bucket per bin."""
+        if self._tb is None or not sum(counts):  # TensorBoard has no empty histogram
+            return
+        values = np.repeat(np.arange(len(counts)), counts)  # one sample per counted item
+        self._tb.add_histogram(tag, values, step, bins=np.arange(len(counts) + 1))
 
     def _append(self, data: bytes) -> None:
         start = os.lseek(self._jsonl, 0, os.SEEK_END)

@@ -1,4 +1,8 @@
-"""What `decode.py` does with its flag values: decode, or with `score` force-decode, a file."""
+"""What `decode.py` does with its flag values: decode, or with `score` force-decode, a file.
+
+With `report`, decoding is greedy and the exposure-bias report of the output
+against the references follows (`translate/exposure.py`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from flaxformer_lite.translate import files, reports, runner
+from flaxformer_lite.translate import exposure, files, reports, runner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Options:
     attention_layer: int = -1
     score: bool = False
     score_tokens: bool = False
+    report: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -63,6 +68,7 @@ def _check_options(o: Options) -> None:
         raise files.InputError("--score_tokens applies to --score only")
     if o.score and o.attention_png:
         raise files.InputError("--attention_png plots decoding: drop it or --score")
+    exposure.check_options(o)
 
 
 def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> None:
@@ -96,7 +102,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     if o.reference:
         references, num_invalid_ref = files.read_lines(o.reference)
         reports.check_line_counts(len(lines), len(references))
-        num_invalid += num_invalid_ref if o.score else 0
+        num_invalid += num_invalid_ref if o.score or o.report else 0
     if not lines:
         files.write_lines(o.output, [])
         log("input is empty: nothing to decode")
@@ -115,6 +121,11 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
 
 
 def _decode(o, model, params, tokenizer, run_config, sources, search, references) -> None:
+    targets = None
+    if o.report:  # the references' checks come before decoding
+        targets = exposure.tokenize_references(
+            tokenizer, references, run_config, strict=o.strict, log=log
+        )
     result = runner.decode_lines(
         model,
         params,
@@ -143,6 +154,13 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
             count=o.attention_count,
         )
         log(f"wrote {len(paths)} attention plot(s) to {o.attention_png}")
+    if o.report:
+        report = exposure.report_lines(
+            *(model, params, run_config, sources, targets, result.output_ids),
+            search=search,
+            batch_size=o.batch_size,
+        )
+        log(report.table())
 
 
 def _score(o, model, params, tokenizer, run_config, sources, references) -> None:
