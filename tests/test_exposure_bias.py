@@ -361,3 +361,36 @@ def test_report_flag_errors_are_one_line(tmp_path, changes, words):
     with pytest.raises(files.InputError) as e:
         command.run(options)
     assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_outputs_in_other_pieces_than_the_reference_are_compared_as_text():
+    """A model may spell the reference's text with other pieces (p1 p2 for the piece p1p2):
+    that is no error; the prefix swap still scores the model's own pieces."""
+    from num2words import num2words
+
+    from flaxformer_lite.data.tokenizer import Tokenizer
+
+    texts = [num2words(n) for n in range(300)]
+    vocab = Tokenizer.train(texts, vocab_size=80)
+    pieces = {vocab.id_to_piece(i): i for i in range(4, vocab.vocab_size)}
+    # A reference whose last piece p is also two pieces p[:i] p[i:].
+    ids, i = next(
+        (ids, i)
+        for ids in (vocab.encode(t) for t in texts)
+        for i in range(1, len(vocab.id_to_piece(ids[-1])))
+        if {vocab.id_to_piece(ids[-1])[:i], vocab.id_to_piece(ids[-1])[i:]} <= set(pieces)
+    )
+    last = vocab.id_to_piece(ids[-1])
+    gold = np.array([ids + [EOS_ID, PAD_ID]], np.int32)
+    own = np.array([ids[:-1] + [pieces[last[:i]], pieces[last[i:]], EOS_ID]], np.int32)
+    assert vocab.decode(own[0]) == vocab.decode(gold[0])
+    canonical = exposure_probe.retokenized(vocab, own)
+    np.testing.assert_array_equal(canonical, gold)
+    nll = np.ones((1, 1))
+    as_text = eb.compute_report(gold, gold, canonical, nll, 2 * nll, (1,), own=own)
+    assert as_text.fr_token_accuracy == 1.0 and sum(as_text.first_error_histogram) == 0
+    k = len(ids)  # the swapped prefix ends with the model's split piece
+    as_text = eb.compute_report(gold, gold, canonical, nll, 2 * nll, (k,), own=own)
+    assert as_text.prefix_swaps[0].differ == 1.0 and as_text.prefix_swaps[0].ratio == 2.0
+    as_pieces = eb.compute_report(gold, gold, own, nll, 2 * nll, (1,))
+    assert as_pieces.fr_token_accuracy < 1.0 and as_pieces.first_error_histogram[k - 1] == 1

@@ -306,13 +306,17 @@ def compute_report(
     gold_nll: np.ndarray,
     own_nll: np.ndarray,
     ks: tuple[int, ...] = KS,
+    own: np.ndarray | None = None,
 ) -> Report:
     """Every figure of one held-out set.
 
     Args:
       gold, forced: int[N, T]; greedy: int[N, L]; gold_nll, own_nll: float[N, len(ks)]
       (module docstring).
+      own: int[N, L] the greedy output the prefix swap scored, when `greedy` is
+        that output re-tokenized like `gold` (default: `greedy`).
     """
+    own = greedy if own is None else own
     gold_nll, own_nll = np.asarray(gold_nll), np.asarray(own_nll)
     return Report(
         examples=int(np.asarray(gold).shape[0]),
@@ -320,7 +324,7 @@ def compute_report(
         fr_token_accuracy=fr_token_accuracy(gold, greedy),
         first_error_histogram=tuple(int(c) for c in first_error_histogram(gold, greedy)),
         prefix_swaps=tuple(
-            prefix_swap(gold, greedy, gold_nll[:, i], own_nll[:, i], k) for i, k in enumerate(ks)
+            prefix_swap(gold, own, gold_nll[:, i], own_nll[:, i], k) for i, k in enumerate(ks)
         ),
         length_buckets=length_buckets(gold, forced, greedy),
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -79,6 +80,7 @@ class ProbeArrays(NamedTuple):
     greedy: np.ndarray  # int32[N, L]
     gold_nll: np.ndarray  # float32[N, K]
     own_nll: np.ndarray  # float32[N, K]
+    canonical: np.ndarray  # int32[N, L] greedy output re-tokenized (= greedy without a vocabulary)
 
     def rows(self, keep: np.ndarray) -> ProbeArrays:
         """The rows where bool[N] `keep` is True (the real rows of a padded batch)."""
@@ -98,6 +100,7 @@ def concatenate(parts: list[ProbeArrays]) -> ProbeArrays:
         greedy=tokens([p.greedy for p in parts]),
         gold_nll=np.concatenate([p.gold_nll for p in parts]),
         own_nll=np.concatenate([p.own_nll for p in parts]),
+        canonical=tokens([p.canonical for p in parts]),
     )
 
 
@@ -113,17 +116,26 @@ class Probe:
     search: predict.SearchConfig  # greedy
     reuse_decoded: bool = False  # the caller's decoded tokens are this greedy output
     ks: tuple[int, ...] = exposure_bias.KS
+    # Greedy output int[N, L] -> the same texts tokenized as references are, int[N, L].
+    retokenize: Callable[[np.ndarray], np.ndarray] | None = None
 
     @classmethod
-    def for_search(cls, model: Seq2SeqModel, search: predict.SearchConfig) -> Probe:
+    def for_search(
+        cls, model: Seq2SeqModel, search: predict.SearchConfig, target_vocab=None
+    ) -> Probe:
         """The probe of an evaluation that decodes with `search`.
 
         The report always decodes greedily, up to the same length; when `search`
         is that greedy search, its tokens are reused instead of decoding twice.
+        With `target_vocab` (a `data.tokenizer.Tokenizer`), greedy output is
+        compared with the gold tokens as text: decoded and encoded again, since a
+        model may write the reference's text in other pieces than the encoder's
+        (`retokenized`). The prefix swap scores the model's own pieces.
         """
         greedy = predict.SearchConfig("greedy", search.max_len)
         same = search.method == "greedy" and search.min_len == 0  # cached or not: same tokens
-        return cls(model, greedy, reuse_decoded=same)
+        retokenize = None if target_vocab is None else functools.partial(retokenized, target_vocab)
+        return cls(model, greedy, reuse_decoded=same, retokenize=retokenize)
 
     def arrays(self, params: Params, batch: Batch, decoded: jax.Array | None = None):
         """`ProbeArrays` of every row of one (global) batch, on every process.
@@ -138,9 +150,11 @@ class Probe:
         else:
             greedy = greedy_batch(self.model, params, batch, self.search)
         forced, gold_nll, own_nll = probe_batch(self.model, params, batch, greedy, self.ks)
-        outputs = ProbeArrays(batch["targets"], forced, greedy, gold_nll, own_nll)
+        outputs = (batch["targets"], forced, greedy, gold_nll, own_nll)
         # A plain host copy with one process, an all-gather across processes.
-        return ProbeArrays(*map(np.asarray, multihost_utils.process_allgather(outputs, tiled=True)))
+        gathered = list(map(np.asarray, multihost_utils.process_allgather(outputs, tiled=True)))
+        canonical = gathered[2] if self.retokenize is None else self.retokenize(gathered[2])
+        return ProbeArrays(*gathered, canonical)
 
     def report(self, parts: list[ProbeArrays], min_width: int = 0) -> exposure_bias.Report:
         """The report of the rows of `parts`; gold arrays padded to at least `min_width`.
@@ -151,8 +165,17 @@ class Probe:
         if not parts:
             width = max(min_width, 1)
             empty = np.zeros((0, width), np.int32)
-            parts = [ProbeArrays(empty, empty, empty, *(np.zeros((0, len(self.ks))),) * 2)]
+            nll = np.zeros((0, len(self.ks)))
+            parts = [ProbeArrays(empty, empty, empty, nll, nll, empty)]
         a = concatenate(parts)
         gold = exposure_bias.pad_to(a.gold, min_width)
         forced = exposure_bias.pad_to(a.forced, min_width)
-        return exposure_bias.compute_report(gold, forced, a.greedy, a.gold_nll, a.own_nll, self.ks)
+        return exposure_bias.compute_report(
+            gold, forced, a.canonical, a.gold_nll, a.own_nll, self.ks, own=a.greedy
+        )
+
+
+def retokenized(vocab, tokens: np.ndarray) -> np.ndarray:
+    """int[N, L] output ids -> int[N, L]: their texts encoded again (ids, EOS, PAD_ID), as the
+    references are; a text that no longer fits is cut to L ids ending in EOS."""
+    return vocab.encode_batch(vocab.decode_batch(tokens), tokens.shape[1])[0]

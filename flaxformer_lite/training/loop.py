@@ -241,7 +241,11 @@ class Run:
             decode_fn=self.decode_fn,
             max_batches=max_batches,
             bleu=self.config.train.eval_bleu,
-            exposure=exposure_probe.Probe.for_search(self.model, search_from_config(self.config))
+            exposure=exposure_probe.Probe.for_search(
+                self.model,
+                search_from_config(self.config),
+                tokenizer_lib.Vocabularies.of(self.tokenizer).target,
+            )
             if self.config.train.exposure_report
             else None,
         )

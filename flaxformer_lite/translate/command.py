@@ -10,6 +10,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
+from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.translate import exposure, files, reports, runner
 
 
@@ -159,6 +160,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
             *(model, params, run_config, sources, targets, result.output_ids),
             search=search,
             batch_size=o.batch_size,
+            target_vocab=Vocabularies.of(tokenizer).target,
         )
         log(report.table())
 

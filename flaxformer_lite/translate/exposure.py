@@ -76,6 +76,7 @@ def report_lines(
     *,
     search: predict.SearchConfig,
     batch_size: int = 32,
+    target_vocab=None,
 ) -> exposure_bias.Report:
     """The exposure-bias report of decoded lines against their references.
 
@@ -85,11 +86,13 @@ def report_lines(
       targets: `tokenize_references` of the reference lines (one per input line).
       greedy_ids: per line, the greedy output ids (`DecodeResult.output_ids`),
         decoded with `search`.
+      target_vocab: the target `Tokenizer`: outputs are compared with the
+        references as text (`exposure_probe.Probe.for_search`).
     """
     if search.method != "greedy":
         raise InputError("the exposure report compares greedy output: decode with --beam_size 1")
     max_target_len = run_config["data"]["max_target_len"]
-    probe = exposure_probe.Probe.for_search(model, search)
+    probe = exposure_probe.Probe.for_search(model, search, target_vocab)
     source_lengths = [len(ids) for ids in sources.ids]
     rows = runner.batch_rows(source_lengths, batch_size)
     batches = scoring.plan_pair_batches(
