@@ -269,6 +269,20 @@ def test_cli_bad_input_one_line(workdir, tmp_path, case, words):
     assert result.stdout == b"" and not out.exists()
 
 
+def test_cli_reads_a_relative_workdir(workdir):
+    parent, name = os.path.split(workdir)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "decode.py"), "--workdir", name, "--beam_size", "1"],
+        cwd=parent,
+        env=ENV,
+        input=b"de 7\n",
+        capture_output=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert len(out.stdout.decode().splitlines()) == 1
+
+
 def test_cli_report_prints_the_exposure_table(workdir, tmp_path):
     src, ref, out = tmp_path / "in.txt", tmp_path / "ref.txt", tmp_path / "out.txt"
     src.write_text("en 12\n\nde 45\nen 7\n")

@@ -4,9 +4,10 @@ Training is teacher forcing: decoder input = BOS + targets[:-1], labels =
 targets (ids + EOS), so every position predicts the next token and EOS is
 learned as the way to stop. With scheduled sampling on
 (`objectives/scheduled_sampling.py`) the loss runs the decoder more than
-once, feeding later passes inputs mixed from the previous pass's predictions. Prediction is cached search (`models/predict.py`
-adapts the modules to the model-free searches of `search/`); scoring is the
-same teacher-forced pass read as log-probabilities.
+once, feeding later passes inputs mixed from the previous pass's predictions.
+Prediction is cached search (`models/predict.py` adapts the modules to the
+model-free searches of `search/`); scoring is the same teacher-forced pass
+read as log-probabilities.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def _warn(message: str) -> None:
 
 def _read_params(step_dir: str, sharding: jax.sharding.Sharding) -> Any:
     """The params subtree of one checkpoint's state item, every leaf placed on `sharding`."""
-    path = os.path.join(step_dir, STATE_ITEM)
+    # Absolute: orbax reads no tree metadata from a relative path (a relative --workdir).
+    path = os.path.abspath(os.path.join(step_dir, STATE_ITEM))
     checkpointer = ocp.PyTreeCheckpointer()
     saved = checkpointer.metadata(path).item_metadata.tree  # {field: tree of ArrayMetadata}
     target = jax.tree.map(
