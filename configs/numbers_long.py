@@ -17,6 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
     m, d, o, t = config.model, config.data, config.optim, config.train
     m.d_model, m.num_heads, m.d_ff = 128, 4, 512  # width, heads, feed-forward size
     m.num_encoder_layers = m.num_decoder_layers = 2  # depth
+    m.dropout_rate = 0.1  # P_drop
     d.languages = ("en",)  # English: a piece per word, ~25 pieces at 9 digits
     d.max_number = 999_999_999  # numbers below 10^9
     d.num_numbers = 20_000  # drawn uniformly: 18,000 train, 1,000 validation, 1,000 test
@@ -25,7 +26,8 @@ def get_config() -> ml_collections.ConfigDict:
     d.vocab_size = 256  # SentencePiece pieces
     d.max_source_len = 14  # "de" + up to 9 digits + EOS
     d.max_target_len = 28  # the longest outputs are 25 pieces with EOS
-    o.learning_rate, o.warmup_steps = 1.0, 300  # rsqrt: peak 5e-3
+    o.schedule = "rsqrt"  # the paper's warm-up and inverse square root decay
+    o.learning_rate, o.warmup_steps = 1.0, 300  # peak 5e-3 at step 300
     t.num_steps = 1200  # optimiser steps
     t.eval_every, t.checkpoint_every = 600, 600
     t.num_examples_to_print = 4

@@ -120,7 +120,7 @@ class DataConfig:
     languages: tuple[str, ...] = _field(("en", "de", "fr"), _strings)  # number_words
     max_number: int = _field(9999, NON_NEGATIVE)  # number_words
     always_train_below: int = _field(100, NON_NEGATIVE)  # number_words
-    shape_balance: float = _field(0.5, _number(0.0, 1.0, high_open=False))  # number_words
+    shape_balance: float = _field(0.7, _number(0.0, 1.0, high_open=False))  # number_words
     num_numbers: int = _field(0, NON_NEGATIVE)  # number_words: 0 = all up to max_number
     seed: int = _field(0, NON_NEGATIVE)  # number_words, tsv: the seeded split
     valid_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
@@ -147,9 +147,9 @@ class DataConfig:
 class OptimConfig:
     """`optim`: the learning-rate schedule and AdamW."""
 
-    schedule: str = _field("rsqrt", _one_of(*SCHEDULES))
-    learning_rate: float = _field(0.5, _number(0.0, low_open=True))
-    warmup_steps: int = _field(400, NON_NEGATIVE)
+    schedule: str = _field("cosine", _one_of(*SCHEDULES))
+    learning_rate: float = _field(3e-3, _number(0.0, low_open=True))
+    warmup_steps: int = _field(100, NON_NEGATIVE)
     b1: float = _field(0.9, FRACTION)
     b2: float = _field(0.98, FRACTION)
     eps: float = _field(1e-9, _number(0.0, low_open=True))
@@ -164,7 +164,7 @@ class TrainConfig:
     seed: int = _field(0, NON_NEGATIVE)
     batch_size: int = _field(128, POSITIVE)
     grad_accum_steps: int = _field(1, POSITIVE)
-    num_steps: int = _field(1500, POSITIVE)
+    num_steps: int = _field(1000, POSITIVE)
     label_smoothing: float = _field(0.1, FRACTION)
     log_every: int = _field(50, POSITIVE)
     eval_every: int = _field(500, NON_NEGATIVE)
