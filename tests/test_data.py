@@ -422,3 +422,20 @@ def test_pipeline_reads_tfds_bytes(tmp_path, small_tokenizer):
     ds = _make(data["validation"], small_tokenizer, batch_size=4)
     seen = [row for batch in ds for row in _valid_rows(batch, small_tokenizer)]
     assert sorted(seen) == sorted(_decoded(data["validation"]))
+
+
+def test_read_all_reads_in_chunks_and_keeps_the_order():
+    from flaxformer_lite.data.common import read_all
+
+    class Batched(list):
+        calls: list = []
+
+        def __getitems__(self, indices):
+            self.calls.append(list(indices))
+            return [self[i] for i in indices]
+
+    items = Batched({"source": str(i), "target": str(-i)} for i in range(7))
+    assert list(read_all(items, chunk=3)) == list(items)
+    assert items.calls == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(read_all([{"source": "a"}], chunk=3)) == [{"source": "a"}]  # no __getitems__
+    assert list(read_all([])) == []

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str
+from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str, read_all
 from flaxformer_lite.data.tokenizer import Vocabularies, with_eos
 
 
@@ -75,8 +75,7 @@ def tokenize_split(
         encoders = (tokenizer, tokenizer)
     pieces: tuple[list[list[int]], list[list[int]]] = ([], [])
     truncated = [0, 0]
-    for i in range(len(source)):
-        example = source[i]  # read once: a TFDS data source decodes a record per access
+    for example in read_all(source):  # each record read once, in chunks
         for side, field in enumerate((SOURCE_FIELD, TARGET_FIELD)):
             ids, cut = with_eos(encoders[side].encode(as_str(example[field])), limits[side])
             truncated[side] += cut
