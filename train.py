@@ -85,7 +85,7 @@ def main(argv):
         cli.fail(str(e))
     import jax
 
-    from flaxformer_lite.training import loop
+    from flaxformer_lite.training import evaluate, loop
     from flaxformer_lite.training.nonfinite import NonFiniteError
     from flaxformer_lite.training.preemption import Preempted
 
@@ -102,9 +102,11 @@ def main(argv):
     except NonFiniteError as e:
         cli.fail(str(e), code=1)
     if jax.process_index() == 0:
+        # The exposure report's details are in metrics.jsonl and its printed table.
+        shown = {k: v for k, v in results.items() if not evaluate.is_exposure_detail(k)}
         print(
             " ".join(
-                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()
+                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()
             )
         )
         sys.stdout.flush()

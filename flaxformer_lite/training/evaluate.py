@@ -30,15 +30,21 @@ class Evaluation(NamedTuple):
 EXPOSURE_SHOWN = ("eb_tf_token_accuracy", "eb_fr_token_accuracy", "eb_accuracy_gap")
 
 
+def is_exposure_detail(name: str) -> bool:
+    """Whether a metric ("eb_...", or a split's: "test_eb_...") is an exposure-report detail."""
+    for prefix in ("", "validation_", "test_"):
+        if name.startswith(prefix + "eb_"):
+            return name[len(prefix) :] not in EXPOSURE_SHOWN
+    return False
+
+
 def shown_metrics(metrics: dict[str, float]) -> str:
     """An evaluation's log line: the metrics but the exposure report's details.
 
     The details (prefix swaps, length buckets) are in metrics.jsonl and in the
     report's table.
     """
-    return " ".join(
-        f"{k}={v:.4f}" for k, v in metrics.items() if not k.startswith("eb_") or k in EXPOSURE_SHOWN
-    )
+    return " ".join(f"{k}={v:.4f}" for k, v in metrics.items() if not is_exposure_detail(k))
 
 
 def evaluate(
