@@ -229,6 +229,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(train_py)))  # as `python tra
 with (
     tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE),
     mock.patch.object(tfds.core.DatasetBuilder, "is_prepared", lambda self: True),
+    # mock_data's sources set an unbound __getitems__: batched reads go one record at a time.
+    mock.patch.object(
+        tfds.core.data_sources.base.BaseDataSource, "__getitems__",
+        lambda self, keys: [self[k] for k in keys],
+    ),
     mock.patch.object(
         tfds.core.DatasetInfo, "splits", new_callable=mock.PropertyMock,
         return_value={"train": None, "validation": None, "test": None},

@@ -43,8 +43,12 @@ class CatalogPairs:
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Returns the records at ``indices``, read in one batch when the source supports it."""
-        read_batch = getattr(self._records, "__getitems__", None)
-        records = read_batch(indices) if read_batch else [self._records[i] for i in indices]
+        read_batch = getattr(type(self._records), "__getitems__", None)  # as in `read_all`
+        records = (
+            read_batch(self._records, indices)
+            if read_batch
+            else [self._records[i] for i in indices]
+        )
         return [self._rename(record) for record in records]
 
 
