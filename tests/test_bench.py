@@ -121,6 +121,7 @@ def test_cli_flags_reach_the_benchmarked_model():
     assert out["host_malloc_reuse"] == (host_memory._glibc() is not None)
 
 
+@pytest.mark.slow  # two more train-step compiles; test_scheduled_sampling runs the jitted step
 def test_scheduled_sampling_benchmark_times_both_steps():
     from flaxformer_lite.objectives.scheduled_sampling import ScheduledSampling
 
