@@ -98,6 +98,27 @@ def shape_repeats(train_numbers: Sequence[int], shape_balance: float) -> dict[tu
     return {c: max(1, round((most / n) ** shape_balance)) for c, n in counts.items()}
 
 
+def _numbers_to_split(
+    num_languages: int, low: int, max_number: int, num_numbers: int, seed: int
+) -> list[np.ndarray]:
+    """Per language, the increasing numbers in [low, max_number] that may be held out: all of
+    them, or ``num_numbers`` drawn uniformly with ``seed``."""
+    if num_numbers < 0:
+        raise ValueError(f"num_numbers must be >= 0, got {num_numbers}")
+    eligible = max_number + 1 - low
+    if not num_numbers:
+        return [np.arange(low, max_number + 1)] * num_languages
+    if num_numbers > eligible:
+        raise ValueError(
+            f"num_numbers={num_numbers} exceeds the {eligible} numbers from {low} to {max_number}"
+        )
+    rng = np.random.default_rng(seed)
+    return [
+        low + np.sort(rng.choice(eligible, num_numbers, replace=False))
+        for _ in range(num_languages)
+    ]
+
+
 def generate_pairs(
     languages: Sequence[str],
     max_number: int,
@@ -137,20 +158,8 @@ def generate_pairs(
     if max_number < 0:
         raise ValueError(f"max_number must be >= 0, got {max_number}")
 
-    if num_numbers < 0:
-        raise ValueError(f"num_numbers must be >= 0, got {num_numbers}")
     low = min(always_train_below, max_number + 1)
-    eligible = max_number + 1 - low  # the numbers that may be held out
-    if num_numbers:
-        if num_numbers > eligible:
-            raise ValueError(
-                f"num_numbers={num_numbers} exceeds the {eligible} numbers from "
-                f"{low} to {max_number}"
-            )
-        rng = np.random.default_rng(seed)
-        drawn = [low + np.sort(rng.choice(eligible, num_numbers, replace=False)) for _ in languages]
-    else:
-        drawn = [np.arange(low, max_number + 1)] * len(languages)
+    drawn = _numbers_to_split(len(languages), low, max_number, num_numbers, seed)
     per_language = len(drawn[0])
     items = seeded_split(
         len(languages) * per_language,
