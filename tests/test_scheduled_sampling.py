@@ -222,3 +222,9 @@ def test_config_without_the_section_is_teacher_forcing():
     del config["scheduled_sampling"]
     assert run_config.scheduled_sampling_of(config) == ss.ScheduledSampling()
     assert not run_config.scheduled_sampling_of(config).enabled
+
+
+def test_direct_settings_are_checked_too():
+    for fields in (dict(mode="greedy"), dict(passes=1), dict(temperature=0.0)):
+        with pytest.raises(ValueError):
+            ss.ScheduledSampling(**fields)

@@ -63,6 +63,13 @@ class ScheduledSampling:
     gradient: str = "last"  # last: no gradient into the passes that made the inputs; all: soft
     passes: int = 2  # decoder passes in all: 2 = two-pass decoder, > 2 = parallel variant
 
+    def __post_init__(self):
+        # The run config's checks (run_config.py) name the flag; these guard direct use.
+        if self.mode not in MODES or self.schedule not in SCHEDULES:
+            raise ValueError(f"mode must be one of {MODES} and schedule one of {SCHEDULES}")
+        if self.gradient not in GRADIENTS or self.passes < 2 or self.temperature <= 0:
+            raise ValueError(f"gradient one of {GRADIENTS}, passes >= 2, temperature > 0")
+
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
