@@ -1,0 +1,362 @@
+"""Sequence-level knowledge distillation: a training corpus re-translated by a trained model.
+
+Non-autoregressive models learn from "distilled" data (Kim & Rush 2016, "Sequence-Level
+Knowledge Distillation"; Gu et al. 2018): the training sources with, as targets, what a
+trained autoregressive model makes of them by beam search. `run` does this for any training
+workdir of this library and writes a `parallel_text` corpus that `train.py` reads:
+
+  train.{src} train.{tgt}   the run's training sources, in the split's order, and their
+                            beam-search translations (one line per training example);
+  val.* test.*              the run's validation and test splits with their gold targets:
+                            references are never distilled;
+  distill.json              where it came from (workdir, step, search) and what changed.
+
+The splits are read by the same code training reads them with (`datasets.load_splits` of
+the run's saved `data` section), so the number task and file corpora work alike. Each
+distinct source is decoded once: the number task repeats training pairs many times.
+
+The corpus is written into a temporary sibling directory that is renamed to `output_dir`
+when complete, so an interrupted run leaves no directory that looks like a corpus (only a
+hidden `.{name}.tmp-*` one to delete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from flaxformer_lite.files import atomic_write
+from flaxformer_lite.translate import files, reports, runner
+
+MANIFEST = "distill.json"
+# Our split name -> the file prefix in the written corpus.
+SPLIT_FILES = {"train": "train", "validation": "val", "test": "test"}
+DEFAULT_LANGS = ("src", "tgt")  # file suffixes when the run names no languages (number task)
+
+Log = Callable[[str], None]
+
+
+def log_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The flag values of distill.py (see its flag help for each)."""
+
+    workdir: str
+    output_dir: str
+    step: str | int | None = "latest"  # a step spec: see training.restore.resolve_step
+    beam_size: int = 4
+    alpha: float = 0.6
+    batch_size: int = 64
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+# Checks and names.
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Refuses an output that exists and is not an empty directory: data is never overwritten.
+
+    Raises:
+      InputError: naming the path and what to pass instead.
+    """
+    if not os.path.lexists(output_dir):
+        return
+    if os.path.islink(output_dir) or not os.path.isdir(output_dir):
+        what = "a symbolic link" if os.path.islink(output_dir) else "not a directory"
+        raise files.InputError(f"--output_dir {output_dir!r} exists and is {what}; pass a new path")
+    if os.listdir(output_dir):
+        raise files.InputError(
+            f"--output_dir {output_dir!r} is not empty; pass a new directory "
+            "(an existing corpus is never overwritten)"
+        )
+
+
+def languages(data) -> tuple[str, str]:
+    """File suffixes of the written corpus: the run's data.source_lang / data.target_lang,
+    or src / tgt when it names none (the number task)."""
+    if data.source_lang and data.target_lang:
+        return data.source_lang, data.target_lang
+    return DEFAULT_LANGS
+
+
+def train_flags(
+    output_dir: str, langs: tuple[str, str], split_names: Mapping[str, str]
+) -> list[str]:
+    """The `train.py` flags that train on the written corpus, one argv entry each.
+
+    The run's other data fields (lengths, vocabulary) come from the config the new run
+    passes with `--config`; these only select the corpus.
+    """
+    names = {ours: theirs for ours, theirs in split_names.items() if ours != "train"}
+    return [
+        "--config.data.dataset=parallel_text",
+        f"--config.data.corpus_dir={os.path.abspath(output_dir)}",
+        f"--config.data.source_lang={langs[0]}",
+        f"--config.data.target_lang={langs[1]}",
+        f"--config.data.split_names={names!r}",
+    ]
+
+
+def shell_line(flags: Sequence[str]) -> str:
+    """`flags` for a shell: each quoted only where it needs it, the dict in double quotes."""
+    out = []
+    for flag in flags:
+        name, value = flag.split("=", 1)
+        if value.startswith("{"):  # Python literal: double quotes keep its single ones
+            out.append(f'{name}="{value}"')
+        else:
+            out.append(f"{name}={shlex.quote(value)}")
+    return " ".join(out)
+
+
+def one_line(text: str) -> str:
+    """`text` without the characters that end a line of a corpus file ("\\n", "\\r").
+
+    `parallel_text` splits its files on "\\n" and drops a final "\\r"; every other character,
+    tabs included, is kept, so a source or reference is copied as it is.
+    """
+    return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+
+
+# Decoding.
+
+
+@dataclasses.dataclass
+class Distilled:
+    """The distilled training targets and what it took to make them."""
+
+    targets: list[str]  # one line per training source, in order
+    num_distinct: int  # distinct sources decoded
+    result: runner.DecodeResult  # of the distinct sources
+
+
+def distill_targets(
+    model,
+    params,
+    tokenizer,
+    run_config: dict,
+    sources: Sequence[str],
+    *,
+    search,
+    batch_size: int = 64,
+    log: Log = log_stderr,
+    progress: bool | None = None,
+) -> Distilled:
+    """Decodes every distinct source once and maps the translations back onto `sources`.
+
+    Returns one target line per source, in order, as `decode.py` writes it (tabs and line
+    breaks made spaces); a blank source gets an empty target without running the model.
+    """
+    distinct = list(dict.fromkeys(sources))  # first-seen order
+    max_source_len = run_config["data"]["max_source_len"]
+    tokenized = runner.tokenize_lines(tokenizer, distinct, max_source_len)
+    for warning in reports.input_warnings(0, tokenized, max_source_len):
+        log(f"{warning} (of the {len(distinct)} distinct training sources)")
+    result = runner.decode_lines(
+        model,
+        params,
+        tokenizer,
+        run_config,
+        tokenized,
+        search=search,
+        batch_size=batch_size,
+        progress=progress,
+    )
+    by_source = {s: files.format_line(h) for s, h in zip(distinct, result.hypotheses)}
+    return Distilled([by_source[s] for s in sources], len(distinct), result)
+
+
+# Writing.
+
+
+def write_corpus(
+    output_dir: str, corpus: Mapping[str, Sequence[str]], manifest: Mapping[str, object]
+) -> None:
+    """Writes `corpus` ({file name: lines}) and `manifest` (as distill.json) into `output_dir`.
+
+    Everything goes into a temporary sibling directory first, which replaces `output_dir`
+    (absent, or an empty directory) only when every file is written and synced: there is
+    never a partial corpus under that name.
+
+    Raises:
+      InputError: `output_dir` is (or meanwhile became) a file or a non-empty directory.
+    """
+    check_output_dir(output_dir)
+    output_dir = os.path.abspath(output_dir)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output_dir)}.tmp-")
+    try:
+        for name, lines in corpus.items():
+            data = "".join(f"{one_line(line)}\n" for line in lines).encode("utf-8")
+            atomic_write(os.path.join(tmp, name), data)
+        text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
+        atomic_write(os.path.join(tmp, MANIFEST), text.encode("utf-8"))
+        _chmod_as_created(tmp)
+        _fsync_dir(tmp)
+        check_output_dir(output_dir)  # nothing appeared there while decoding
+        try:
+            os.rename(tmp, output_dir)  # replaces an empty directory; a non-empty one fails
+        except OSError as e:
+            raise files.InputError(
+                f"--output_dir {output_dir!r} could not be written ({e.strerror}); "
+                "pass a new directory"
+            ) from None
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _chmod_as_created(directory: str) -> None:
+    """The permissions `open` and `mkdir` give under the umask (temporary files get 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666 & ~umask)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# The command.
+
+
+def _data_config(run_config: dict):
+    """The run's data section, parsed as training parses it."""
+    import ml_collections
+
+    from flaxformer_lite import run_config as run_config_lib
+
+    data = run_config_lib.parse(ml_collections.ConfigDict(run_config)).data
+    if data.dataset == "parallel_text" and not os.path.isdir(data.corpus_dir):
+        fix = "restore the corpus there"
+        if not os.path.isabs(data.corpus_dir):  # read from train.py's working directory
+            fix = f"run distill.py from the directory train.py ran in, or {fix}"
+        raise files.InputError(
+            f"the run's corpus data.corpus_dir={data.corpus_dir!r} is not a directory here; {fix}"
+        )
+    return data
+
+
+def run(
+    o: Options, *, log: Log = log_stderr, on_inputs_checked: Callable[[], object] = lambda: None
+) -> dict:
+    """Writes the distilled corpus of `o.workdir` into `o.output_dir`; returns its manifest.
+
+    `on_inputs_checked` runs once the output path, workdir, checkpoint and data passed
+    their checks, before the model is restored (`distill.py` reports the platform there).
+
+    Raises:
+      InputError, ConfigError, WorkdirError, FileNotFoundError, StepSpecError,
+        CheckpointIntegrityError, CheckpointFormatError: with a message that says what to
+        change.
+    """
+    from flaxformer_lite import datasets
+    from flaxformer_lite.data import common
+    from flaxformer_lite.training import restore
+    from flaxformer_lite.translate import command
+
+    start = time.perf_counter()
+    check_output_dir(o.output_dir)
+    if o.batch_size < 1:
+        raise files.InputError(f"--batch_size must be >= 1, got {o.batch_size}")
+    run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
+    search = runner.make_search(run_config, beam_size=o.beam_size, alpha=o.alpha)
+    data = _data_config(run_config)
+    splits = datasets.load_splits(data)
+    step = restore.resolve_step(o.workdir, o.step, log=log)
+    on_inputs_checked()
+    params, _ = restore.restore_params(o.workdir, step, log=log)
+    model = command.build_model(run_config)
+
+    sources = common.texts(splits["train"], common.SOURCE_FIELD)
+    gold = common.texts(splits["train"], common.TARGET_FIELD)
+    if not sources:
+        raise files.InputError(f"the training split of {o.workdir} is empty: nothing to distill")
+    distilled = distill_targets(
+        model,
+        params,
+        tokenizer,
+        run_config,
+        sources,
+        search=search,
+        batch_size=o.batch_size,
+        log=log,
+    )
+    log(reports.summary(distilled.result))
+
+    src, tgt = languages(data)
+    corpus = {f"train.{src}": sources, f"train.{tgt}": distilled.targets}
+    split_lines = {"train": len(sources)}
+    for split in ("validation", "test"):
+        if split not in splits or not len(splits[split]):
+            if split == "validation":
+                log("warning: the run has no validation examples; train.py needs a val split")
+            continue
+        name = SPLIT_FILES[split]
+        corpus[f"{name}.{src}"] = common.texts(splits[split], common.SOURCE_FIELD)
+        corpus[f"{name}.{tgt}"] = common.texts(splits[split], common.TARGET_FIELD)
+        split_lines[name] = len(corpus[f"{name}.{src}"])
+    names = {ours: theirs for ours, theirs in SPLIT_FILES.items() if theirs in split_lines}
+    flags = train_flags(o.output_dir, (src, tgt), names)
+
+    num_changed = sum(t != one_line(g) for t, g in zip(distilled.targets, gold))
+    num_empty = sum(not t for s, t in zip(sources, distilled.targets) if s.strip())
+    if num_empty:
+        log(
+            f"warning: {num_empty} training source(s) were translated to an empty line; "
+            "parallel_text skips pairs with an empty side"
+        )
+    manifest = {
+        "workdir": os.path.abspath(o.workdir),
+        "step": step,
+        "beam_size": o.beam_size,
+        "alpha": o.alpha,
+        "dataset": data.dataset,
+        "source_lang": src,
+        "target_lang": tgt,
+        "num_train_lines": len(sources),
+        "num_distinct_sources": distilled.num_distinct,
+        "num_changed_targets": num_changed,
+        "changed_fraction": num_changed / len(sources),
+        "num_empty_targets": num_empty,
+        "split_lines": split_lines,
+        "decode_seconds": round(distilled.result.seconds, 3),
+        "seconds": round(time.perf_counter() - start, 3),
+        "train_flags": flags,
+    }
+    write_corpus(o.output_dir, corpus, manifest)
+    log(summary(manifest, o.output_dir))
+    return manifest
+
+
+def summary(manifest: Mapping, output_dir: str) -> str:
+    """The one line that ends a run: the counts of the manifest."""
+    m = manifest
+    splits = ", ".join(f"{k} {v}" for k, v in m["split_lines"].items())
+    return (
+        f"distilled {m['num_train_lines']} training line(s) ({m['num_distinct_sources']} distinct "
+        f"source(s) decoded) with beam {m['beam_size']}, alpha {m['alpha']:g} from step "
+        f"{m['step']}: {100 * m['changed_fraction']:.1f}% of the targets differ from the gold "
+        f"ones; wrote {output_dir} ({splits} lines) in {m['seconds']:.1f}s"
+    )
