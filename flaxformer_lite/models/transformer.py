@@ -148,6 +148,7 @@ class Decoder(nn.Module):
         deterministic: bool,
         positions: jax.Array | None = None,
         replacements: tuple[jax.Array, jax.Array] | None = None,
+        input_vectors: tuple[jax.Array, jax.Array] | None = None,
     ) -> jax.Array:
         """Teacher-forced decoder pass.
 
@@ -159,6 +160,9 @@ class Decoder(nn.Module):
           replacements: scheduled sampling's (use bool[B, T], new): where `use`, the
             input embedding is that of `new`, tokens int[B, T] or embedding weights
             float[B, T, V] (`objectives/scheduled_sampling.py`); None: teacher forcing.
+          input_vectors: (use bool[B, T], vectors [B, T, D]): where `use`, the input
+            embedding is that vector (a non-autoregressive decoder's copied source
+            embeddings, `models/nat_transformer.py`).
         Returns:
           float32[B, T, V] logits.
         """
@@ -167,6 +171,9 @@ class Decoder(nn.Module):
             use, new = replacements
             other = self.embed.mixture(new) if new.ndim == 3 else self.embed(new)
             y = jnp.where(use[..., None], other, y)
+        if input_vectors is not None:
+            use, vectors = input_vectors
+            y = jnp.where(use[..., None], vectors.astype(y.dtype), y)
         y = self.positions(y, positions)
         y = self.dropout(y, deterministic=deterministic)
         if self.config.scan_layers and not self.is_initializing():

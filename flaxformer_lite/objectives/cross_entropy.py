@@ -141,10 +141,15 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
     tokens = max(float(sums["tokens"]), 1.0)
     sequences = max(float(sums["sequences"]), 1.0)
     nll = float(sums["nll"]) / tokens
-    return {
+    out = {
         "loss": float(sums["loss"]) / tokens,
         "nll": nll,
         "perplexity": float(jnp.exp(jnp.minimum(nll, 50.0))),
         "token_accuracy": float(sums["correct"]) / tokens,
         "teacher_forced_sequence_accuracy": float(sums["seq_correct"]) / sequences,
     }
+    if "length_rows" in sums:  # a length classifier (`objectives/non_autoregressive.py`)
+        rows = max(float(sums["length_rows"]), 1.0)
+        out["length_loss"] = float(sums["length_loss"]) / rows
+        out["length_accuracy"] = float(sums["length_correct"]) / rows
+    return out

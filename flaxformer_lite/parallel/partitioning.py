@@ -58,6 +58,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", MODEL_AXIS),
     ("vocab", MODEL_AXIS),
     ("features", None),  # the input size of a feature front end
+    ("length_classes", None),  # a non-autoregressive model's length classifier
 )
 
 
