@@ -6,6 +6,7 @@ python decode.py --workdir workdirs/default --input in.txt --reference ref.txt
 python decode.py --workdir workdirs/default --input in.txt --nbest 3 --attention_png plots/
 python decode.py --workdir workdirs/default --input in.txt --reference ref.txt --score
 python decode.py --workdir workdirs/default --input in.txt --reference ref.txt --report
+python decode.py --workdir workdirs/nat --input in.txt --iterations 10 --length_beam 3
 """
 
 import sys
@@ -32,6 +33,9 @@ REPORT_HELP = (
 )
 
 
+NAT_HELP = "Non-autoregressive workdirs: "
+
+
 def define_flags() -> None:
     DEFINE_string("workdir", None, "Training workdir written by train.py.", required=True)
     DEFINE_string("step", "latest", "latest (default), latest-good, best, or a step number.")
@@ -56,6 +60,24 @@ def define_flags() -> None:
     DEFINE_bool("score", False, SCORE_HELP)
     DEFINE_bool("score_tokens", False, "With --score: also each token's log-prob, tab-separated.")
     DEFINE_bool("report", False, REPORT_HELP)
+    DEFINE_integer(
+        "iterations",
+        None,
+        NAT_HELP + "Mask-Predict decoder calls (1: one pass; default: the run's nat.iterations).",
+        lower_bound=1,
+    )
+    DEFINE_integer(
+        "length_beam",
+        None,
+        NAT_HELP + "Length candidates decoded in parallel, the "
+        "best by mean log-probability first (default: nat.length_beam).",
+        lower_bound=1,
+    )
+    DEFINE_float(
+        "length_scale",
+        None,
+        NAT_HELP + "Multiplies predicted lengths: 0.5 shorter, 2 longer (default 1).",
+    )
 
 
 @cli.friendly_errors

@@ -35,7 +35,7 @@ BEST_METRICS = {
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 SPLITS = ("train", "validation", "test")
-SECTIONS = ("model", "data", "optim", "train", "mesh", "scheduled_sampling")
+SECTIONS = ("model", "data", "optim", "train", "mesh", "scheduled_sampling", "nat")
 
 
 # {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
@@ -205,6 +205,21 @@ class ScheduledSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NATConfig:
+    """`nat` (optional section): a run config with it trains the non-autoregressive model
+    (models/non_autoregressive.py); `iterations` and `length_beam` are evaluation's."""
+
+    length_mode: str = _field("predict", _one_of("predict", "fixed"))
+    length_classes: int = _field(256, _int_at_least(2))
+    length_loss_weight: float = _field(0.1, _number(0.0))
+    length_stop_gradient: bool = _field(False, _boolean)
+    decoder_inputs: str = _field("mask", _one_of("mask", "copy"))
+    masking: str = _field("uniform", _one_of("uniform", "all"))
+    iterations: int = _field(10, POSITIVE)
+    length_beam: int = _field(1, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """`mesh`: devices for data x fsdp x model (see parallel/partitioning.py)."""
 
@@ -222,6 +237,7 @@ class RunConfig:
     train: TrainConfig
     mesh: MeshConfig
     scheduled_sampling: ScheduledSamplingConfig
+    nat: NATConfig | None  # None: the autoregressive model
 
 
 def _plain(value):
@@ -311,9 +327,53 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
             "optim.warmup_steps=0, but the rsqrt schedule divides by it: use warmup_steps >= 1 "
             "or another optim.schedule"
         )
+    nat = nat_of(config)
+    if nat is not None:
+        _check_nat(nat, model, data, train, sampling)
     return RunConfig(
-        model=model, data=data, optim=optim, train=train, mesh=mesh, scheduled_sampling=sampling
+        model=model,
+        data=data,
+        optim=optim,
+        train=train,
+        mesh=mesh,
+        scheduled_sampling=sampling,
+        nat=nat,
     )
+
+
+def nat_of(config: ml_collections.ConfigDict) -> NATConfig | None:
+    """The `nat` section of a run config (None: it trains the autoregressive model)."""
+    if "nat" not in config or config.nat is None:
+        return None
+    return _section(NATConfig, "nat", config.nat)
+
+
+def _check_nat(nat, model, data, train, sampling) -> None:
+    if sampling.mode != "off":
+        raise ConfigError(
+            f"scheduled_sampling.mode={sampling.mode!r} feeds an autoregressive decoder its "
+            "own predictions, but this run config has a nat section: drop one of them"
+        )
+    if data.batching == "pack":
+        raise ConfigError(
+            "data.batching='pack' puts several examples in a row, but the non-autoregressive "
+            "decoder reads one per row: use --config.data.batching=bucket or fixed"
+        )
+    if train.exposure_report:
+        raise ConfigError(
+            "train.exposure_report compares teacher forcing with autoregressive decoding, "
+            "which a nat run has not: set --config.train.exposure_report=False"
+        )
+    if nat.decoder_inputs == "copy" and model.input_features:
+        raise ConfigError(
+            "nat.decoder_inputs='copy' copies source token embeddings, but the encoder reads "
+            "features: use nat.decoder_inputs='mask'"
+        )
+    if nat.length_mode == "fixed" and nat.length_beam > 1:
+        raise ConfigError(
+            f"nat.length_beam={nat.length_beam} decodes several predicted lengths, but "
+            "nat.length_mode='fixed' has one: set length_beam=1 or length_mode='predict'"
+        )
 
 
 def _scheduled_sampling_section(config: ml_collections.ConfigDict) -> ScheduledSamplingConfig:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from flaxformer_lite import run_config as run_config_lib
-from flaxformer_lite.models.autoregressive import AutoregressiveModel
+from flaxformer_lite.models.from_config import build_model
 
 
 def abstract_params(config: ml_collections.ConfigDict):
@@ -17,7 +17,7 @@ def abstract_params(config: ml_collections.ConfigDict):
     The vocabulary sizes are those of `data` (what the tokenizer will be asked for).
     """
     run_config_lib.validate(config)
-    model = AutoregressiveModel(run_config_lib.planned_model_config(config))
+    model = build_model(config, run_config_lib.planned_model_config(config))
     shapes = {"inputs": (1, 8), "targets": (1, 8)}
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), shapes))
 

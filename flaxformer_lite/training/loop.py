@@ -28,9 +28,8 @@ from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.common import texts
 from flaxformer_lite.evaluation import exposure_probe
-from flaxformer_lite.models import predict
-from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.base import Seq2SeqModel
+from flaxformer_lite.models.from_config import build_model, search_from_config
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import checkpoints, optim, restore, train_data
@@ -49,15 +48,6 @@ from flaxformer_lite.training.state import (
 )
 
 Log = Callable[[str], None]
-
-
-def build_model(config: ml_collections.ConfigDict, model_cfg) -> Seq2SeqModel:
-    """The run's model behind the protocol."""
-    return AutoregressiveModel(
-        model_cfg,
-        label_smoothing=config.train.label_smoothing,
-        scheduled_sampling=run_config_lib.scheduled_sampling_of(config),
-    )
 
 
 def optimizer_from_config(config: ml_collections.ConfigDict, model_cfg):
@@ -79,14 +69,6 @@ def optimizer_from_config(config: ml_collections.ConfigDict, model_cfg):
         grad_clip_norm=o.grad_clip_norm,
     )
     return schedule, tx
-
-
-def search_from_config(config: ml_collections.ConfigDict) -> predict.SearchConfig:
-    """The search used by evaluation."""
-    t = config.train
-    return predict.SearchConfig(
-        t.eval_search, config.data.max_target_len, beam_size=t.eval_beam_size, alpha=t.eval_alpha
-    )
 
 
 def restore_trained(workdir: str, step: int | None = None, average: int = 1):

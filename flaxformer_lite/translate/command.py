@@ -41,6 +41,9 @@ class Options:
     score: bool = False
     score_tokens: bool = False
     report: bool = False
+    iterations: int | None = None  # non-autoregressive workdirs only
+    length_beam: int | None = None
+    length_scale: float | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -56,9 +59,10 @@ def build_model(run_config: dict):
     import ml_collections
 
     from flaxformer_lite import run_config as run_config_lib
-    from flaxformer_lite.models.autoregressive import AutoregressiveModel
+    from flaxformer_lite.models import from_config
 
-    return AutoregressiveModel(run_config_lib.model_config(ml_collections.ConfigDict(run_config)))
+    config = ml_collections.ConfigDict(run_config)
+    return from_config.build_model(config, run_config_lib.model_config(config))
 
 
 def _check_options(o: Options) -> None:
@@ -70,6 +74,30 @@ def _check_options(o: Options) -> None:
     if o.score and o.attention_png:
         raise files.InputError("--attention_png plots decoding: drop it or --score")
     exposure.check_options(o)
+
+
+def _check_model_kind(o: Options, non_autoregressive: bool) -> None:
+    """Flags that only one model kind reads are refused for the other."""
+    nat_flags = [f"--{k}" for k in ("iterations", "length_beam", "length_scale")]
+    given = [f for f in nat_flags if getattr(o, f[2:]) is not None]
+    if not non_autoregressive and given:
+        raise files.InputError(
+            f"{given[0]} applies to non-autoregressive workdirs (a nat section in their run "
+            f"config); {o.workdir} holds an autoregressive model: use --beam_size"
+        )
+    if non_autoregressive:
+        if o.temperature > 0:
+            raise files.InputError(
+                "--temperature samples an autoregressive decoder; this workdir holds a "
+                "non-autoregressive one: use --iterations and --length_beam"
+            )
+        if o.report:
+            raise files.InputError(
+                "--report compares teacher forcing with autoregressive decoding; this workdir "
+                "holds a non-autoregressive model"
+            )
+        if o.min_len:
+            raise files.InputError("--min_len applies to autoregressive workdirs only")
 
 
 def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> None:
@@ -89,7 +117,18 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     _check_options(o)
     run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
     search = None
-    if not o.score:
+    non_autoregressive = run_config.get("nat") is not None
+    _check_model_kind(o, non_autoregressive)
+    if not o.score and non_autoregressive:
+        search = runner.make_nat_search(
+            run_config,
+            iterations=o.iterations,
+            length_beam=o.length_beam,
+            length_scale=1.0 if o.length_scale is None else o.length_scale,
+            max_len=o.max_len,
+            nbest=o.nbest,
+        )
+    elif not o.score:
         search = runner.make_search(
             run_config,
             **{k: getattr(o, k) for k in ("beam_size", "alpha", "temperature", "top_k")},

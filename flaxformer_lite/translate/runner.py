@@ -141,6 +141,53 @@ def make_search(
 # Tokenizing and bucketing.
 
 
+def make_nat_search(
+    run_config: dict,
+    *,
+    iterations: int | None = None,
+    length_beam: int | None = None,
+    length_scale: float = 1.0,
+    max_len: int | None = None,
+    nbest: int = 1,
+):
+    """The search of a non-autoregressive workdir: Mask-Predict with `iterations` calls over
+    `length_beam` length candidates (None: the run's nat section), lengths scaled by
+    `length_scale`.
+
+    Raises:
+      InputError: out-of-range settings.
+    """
+    from flaxformer_lite.models.non_autoregressive import NATSearch
+
+    nat = run_config["nat"]
+    iterations = nat.get("iterations", 10) if iterations is None else iterations
+    length_beam = nat.get("length_beam", 1) if length_beam is None else length_beam
+    max_len = run_config["data"]["max_target_len"] if max_len is None else max_len
+    if iterations < 1 or length_beam < 1:
+        raise InputError(
+            f"need --iterations >= 1 and --length_beam >= 1, got {iterations}, {length_beam}"
+        )
+    if not length_scale > 0:
+        raise InputError(f"need --length_scale > 0, got {length_scale}")
+    if max_len < 2:
+        raise InputError(f"need --max_len >= 2 (a token and EOS), got {max_len}")
+    model = run_config["model"]
+    if model.get("positions") == "learned" and max_len > model["max_len"]:
+        raise InputError(f"--max_len {max_len} exceeds the model's {model['max_len']} positions")
+    if nat.get("length_mode", "predict") == "fixed" and length_beam > 1:
+        raise InputError(
+            f"--length_beam {length_beam}: this model decodes a fixed length (nat.length_mode="
+            "'fixed'), one candidate per input; drop --length_beam"
+        )
+    if nbest > length_beam:
+        raise InputError(
+            f"--nbest {nbest} needs as many length candidates: pass --length_beam >= {nbest}"
+        )
+    return NATSearch(
+        max_len=max_len, iterations=iterations, length_beam=length_beam, length_scale=length_scale
+    )
+
+
 def bucket_lengths(max_source_len: int) -> tuple[int, ...]:
     """Source lengths batches are padded to: powers of two from 8 below the max, and the max."""
     lengths, n = [], 8  # shorter buckets would save little and compile more often
