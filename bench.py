@@ -33,6 +33,18 @@ flags.DEFINE_bool("scan_layers", False, "Run the layers as one lax.scan (faster 
 flags.DEFINE_bool("remat", False, "With --scan_layers: recompute activations in the backward pass.")
 flags.DEFINE_bool("uncached", True, "Also time greedy search without the KV cache.")
 flags.DEFINE_string("dtype", "float32", "Compute dtype (parameters stay float32).")
+flags.DEFINE_list(
+    "nat_iterations",
+    [],
+    "Decoding: also time the non-autoregressive model of the same size with these Mask-Predict "
+    "iteration counts, e.g. 1,4,10 (1: single pass).",
+)
+flags.DEFINE_integer(
+    "nat_length_beam",
+    1,
+    "Length candidates per sentence of the non-autoregressive runs.",
+    lower_bound=1,
+)
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 flags.DEFINE_enum(
     "compare",

@@ -22,9 +22,12 @@ def test_decode_benchmark_reports_every_figure():
         beam_size=2,
         repeats=1,
         prefix_lens=(1, 3),
+        nat_iterations=(2,),
         log=lambda s: None,
     )
     for key in (
+        "nat_T2_l1_tokens_per_s",
+        "nat_T2_l1_speedup_over_beam2",
         "greedy_tokens_per_s",
         "beam2_tokens_per_s",
         "greedy_uncached_s",
@@ -37,6 +40,9 @@ def test_decode_benchmark_reports_every_figure():
     ):
         assert results[key] > 0, key
     assert results["greedy_tokens_per_s"] == pytest.approx(2 * 4 / results["greedy_s"])
+    assert results["nat_T2_l1_speedup_over_greedy"] == pytest.approx(
+        results["greedy_s"] / results["nat_T2_l1_s"]
+    )
     # Per step: each decoder layer's self-attention (qkv + out), cross-attention query and
     # output (its K/V projection runs once per source), FFN and 3 LayerNorms, plus the
     # tied output embedding, all float32.

@@ -210,6 +210,8 @@ def _decode(f, config, log) -> dict:
         beam_size=f.beam_size,
         repeats=f.repeats,
         uncached=f.uncached,
+        nat_iterations=tuple(int(t) for t in f.nat_iterations),
+        nat_length_beam=f.nat_length_beam,
         log=log,
     )
 

@@ -1,7 +1,11 @@
 """Decoding benchmark: whole-search tokens/s and the cost of one cached step by prefix length.
 
 Parameters are random (speed does not depend on their values), and EOS is forbidden so every
-search runs all its steps. Timings are as in :mod:`flaxformer_lite.tools.timing`.
+search runs all its steps. Next to the autoregressive searches, the non-autoregressive model
+of the same size (`models/non_autoregressive.py`) decodes the same number of positions with
+Mask-Predict at each of `nat_iterations`: its decoder width is fixed by `max_len`, so its
+cost does not depend on the lengths its random length classifier predicts. Timings are as
+in :mod:`flaxformer_lite.tools.timing`.
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ def decode_benchmark(
     repeats: int = 3,
     prefix_lens: tuple[int, ...] = (16, 256),
     uncached: bool = True,
+    nat_iterations: tuple[int, ...] = (),
+    nat_length_beam: int = 1,
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length."""
+    """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length, and
+    non-autoregressive decoding at each of `nat_iterations` (with `nat_length_beam`)."""
     model = AutoregressiveModel(config)
     rng = np.random.default_rng(0)
     inputs = jnp.asarray(rng.integers(4, config.vocab_size, (batch, source_len)), jnp.int32)
@@ -62,6 +69,26 @@ def decode_benchmark(
         model, params, inputs, new_tokens=new_tokens, beam_size=beam_size, repeats=repeats,
         uncached=uncached, log=log,
     )  # fmt: skip
+    if nat_iterations:
+        results.update(
+            nat_timings(
+                config,
+                inputs,
+                new_tokens=new_tokens,
+                iterations=nat_iterations,
+                length_beam=nat_length_beam,
+                repeats=repeats,
+                log=log,
+            )
+        )
+        for t in nat_iterations:
+            name = f"nat_T{t}_l{nat_length_beam}"
+            for base in ("greedy", f"beam{beam_size}"):
+                results[f"{name}_speedup_over_{base}"] = results[f"{base}_s"] / results[f"{name}_s"]
+            log(
+                f"{name}: {results[f'{name}_speedup_over_greedy']:.2f}x greedy, "
+                f"{results[f'{name}_speedup_over_beam{beam_size}']:.2f}x beam {beam_size}"
+            )
     step_bytes = decoder_step_bytes(params, config)
     results.update(
         _prefix_step_timings(
@@ -122,6 +149,39 @@ def _search_timings(
     if uncached:
         results["cached_speedup"] = results["greedy_uncached_s"] / results["greedy_s"]
     results[f"beam{beam_size}_over_greedy"] = results[f"beam{beam_size}_s"] / results["greedy_s"]
+    return results
+
+
+def nat_timings(
+    config: TransformerConfig,
+    inputs: jax.Array,
+    *,
+    new_tokens: int,
+    iterations: tuple[int, ...],
+    length_beam: int,
+    repeats: int,
+    log: Callable[[str], None],
+) -> dict[str, float]:
+    """Seconds and tokens/s of non-autoregressive decoding of `new_tokens` positions."""
+    from flaxformer_lite.models.non_autoregressive import NATSearch, NonAutoregressiveModel
+
+    model = NonAutoregressiveModel(config)
+    shapes = {"inputs": (1, inputs.shape[1]), "targets": (1, 8)}
+    params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
+    batch, results = inputs.shape[0], {}
+    for t in iterations:
+        name = f"nat_T{t}_l{length_beam}"
+        # max_len counts the appended EOS: the decoder fills new_tokens positions.
+        cfg = NATSearch(max_len=new_tokens + 1, iterations=t, length_beam=length_beam)
+        fn = jax.jit(lambda params, inputs, cfg=cfg: model.predict(params, {"inputs": inputs}, cfg))
+        results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
+        seconds, _ = _timed(lambda fn=fn: fn(params, inputs), repeats)
+        results[f"{name}_s"] = seconds
+        results[f"{name}_tokens_per_s"] = batch * new_tokens / seconds
+        log(
+            f"{name:>16}: {seconds:8.3f} s  {batch * new_tokens / seconds:9.1f} tokens/s  "
+            f"(compile {results[f'{name}_compile_s']:.1f} s)"
+        )
     return results
 
 
