@@ -1,6 +1,7 @@
 """The non-autoregressive model: length classifier, CMLM masks, Mask-Predict, decoding."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -27,8 +28,13 @@ TARGETS = jnp.array([[11, 12, 13, EOS_ID, 0, 0, 0], [14, EOS_ID, 0, 0, 0, 0, 0]]
 BATCH = {"inputs": SOURCES, "targets": TARGETS}
 
 
+SMALL = dict(num_encoder_layers=1, num_decoder_layers=1)
+
+
+@functools.cache
 def model_and_params(**kw):
-    model = NonAutoregressiveModel(tiny_model_config(), length_classes=16, **kw)
+    """A one-layer model and its parameters (cached: tests share the compilations)."""
+    model = NonAutoregressiveModel(tiny_model_config(**SMALL), length_classes=16, **kw)
     shapes = {"inputs": SOURCES.shape, "targets": TARGETS.shape}
     return model, nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes))
 
@@ -88,13 +94,17 @@ def test_length_candidates_scale_and_rank():
 
 def test_length_scale_changes_decoded_lengths_as_asked():
     model, params = model_and_params()
-    lengths = {}
-    for scale in (0.5, 1.0, 2.0):
+    module, variables = model.module, {"params": params}
+    valid = SOURCES != 0
+    encoded = module.apply(variables, SOURCES, valid, method=module.encode)
+    classes = jnp.argmax(
+        module.apply(variables, encoded, valid, method=module.length_logits), axis=-1
+    )
+    predicted = np.asarray(valid.sum(-1) + classes - 8)  # the classifier's length
+    for scale in (0.5, 1.0, 2.0, 3.0):
         tokens, _ = model.predict(params, BATCH, NATSearch(max_len=40, length_scale=scale))
-        lengths[scale] = np.asarray((tokens[:, 0] != PAD_ID).sum(-1) - 1)  # tokens before EOS
-    base = np.maximum(lengths[1.0], 1)
-    np.testing.assert_array_equal(lengths[0.5], np.maximum(np.round(base * 0.5), 1))
-    np.testing.assert_array_equal(lengths[2.0], np.minimum(np.round(base * 2.0), 39))
+        decoded = np.asarray((tokens[:, 0] != PAD_ID).sum(-1) - 1)  # tokens before EOS
+        np.testing.assert_array_equal(decoded, np.clip(np.round(predicted * scale), 1, 39))
 
 
 # The decoder.
@@ -127,7 +137,7 @@ def test_self_attention_is_not_causal():
     assert float(jnp.abs(grad[:, -1]).max()) > 0  # the last position reaches position 0
 
     # The autoregressive decoder, the same way: the last position never reaches position 0.
-    at = Transformer(tiny_model_config())
+    at = Transformer(tiny_model_config(**SMALL))
     at_params = at.init(jax.random.PRNGKey(0), SOURCES, TARGETS)
     at_encoded = at.apply(at_params, SOURCES, method=at.encode)
 
@@ -302,10 +312,10 @@ def test_predict_is_one_decoder_call_per_iteration(monkeypatch):
 
 def test_length_beam_returns_the_candidates_best_first():
     model, params = model_and_params()
-    tokens, scores = model.predict(params, BATCH, NATSearch(max_len=12, length_beam=3))
-    assert tokens.shape == (2, 3, 12) and scores.shape == (2, 3)
+    tokens, scores = model.predict(params, BATCH, NATSearch(max_len=40, length_beam=3))
+    assert tokens.shape == (2, 3, 40) and scores.shape == (2, 3)
     assert bool((jnp.diff(scores, axis=-1) <= 0).all())
-    single, single_score = model.predict(params, BATCH, NATSearch(max_len=12, length_beam=1))
+    single, single_score = model.predict(params, BATCH, NATSearch(max_len=40, length_beam=1))
     # The most likely length is among the candidates, scored the same.
     assert any(np.array_equal(tokens[b, j], single[b, 0]) for b in range(2) for j in range(3)), (
         "the top length's hypothesis is a candidate"
@@ -324,7 +334,7 @@ def test_autoregressive_model_is_unchanged_by_the_nat_code():
         label_smoothing=config.train.label_smoothing,
     )
     # The decoder's optional input vectors, nowhere used, change no bit of the logits.
-    module = Transformer(tiny_model_config())
+    module = Transformer(tiny_model_config(**SMALL))
     params = module.init(jax.random.PRNGKey(0), SOURCES, TARGETS)
     encoded = module.apply(params, SOURCES, method=module.encode)
     valid = SOURCES != 0

@@ -194,7 +194,10 @@ class NonAutoregressiveModel(Seq2SeqModel):
         del rng  # deterministic
         if batch.get("prefix") is not None:
             raise ValueError("a non-autoregressive model decodes no forced prefix")
-        return _predict(self, params, batch["inputs"], self._source_valid(batch), search)
+        # The length scale is traced: one compilation serves every scale.
+        scale = jnp.float32(search.length_scale)
+        static = search._replace(length_scale=1.0)
+        return _predict(self, params, batch["inputs"], self._source_valid(batch), static, scale)
 
     def score(self, params, batch):
         """Log-probabilities of the labels (`layout`) in one pass at the gold length, all
@@ -232,6 +235,7 @@ def _predict(
     inputs: jax.Array,
     source_valid: jax.Array,
     search: NATSearch,
+    length_scale: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """(tokens int32[B, l, max_len], mean token log-probabilities float32[B, l]), best first."""
     module, variables = model.module, {"params": params}
@@ -246,7 +250,7 @@ def _predict(
             length_logits,
             source_valid.sum(-1),
             beam=beam,
-            scale=search.length_scale,
+            scale=length_scale,
             max_len=width,
         )  # [B, l]
     else:

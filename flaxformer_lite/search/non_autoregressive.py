@@ -49,7 +49,7 @@ def length_candidates(
     source_len: jax.Array,
     *,
     beam: int,
-    scale: float,
+    scale: float | jax.Array,
     max_len: int,
 ) -> jax.Array:
     """The `beam` most likely lengths of each example, most likely first.
