@@ -436,7 +436,7 @@ def test_nat_run_trains_and_evaluates(nat_workdir):
     assert "test_exact_match" in results and np.isfinite(results["test_loss"])
 
 
-def test_decode_cli_options_on_a_nat_workdir(nat_workdir, tmp_path):
+def test_decode_cli_options_on_a_nat_workdir(nat_workdir, tmp_path, monkeypatch):
     from flaxformer_lite.translate import command, files
 
     path, _ = nat_workdir
@@ -449,6 +449,12 @@ def test_decode_cli_options_on_a_nat_workdir(nat_workdir, tmp_path):
     command.run(options)
     lines = out.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 3 and lines[1] == "" and lines[0].count("\t") == 3  # 2 hyps, 2 scores
+    reference = tmp_path / "ref.txt"
+    reference.write_text("zwölf\nnull\nfünfundvierzig\n", encoding="utf-8")
+    logged = []
+    monkeypatch.setattr(command, "log", logged.append)
+    command.run(dataclasses.replace(options, reference=str(reference), nbest=1))
+    assert any(line.startswith("multi-modality: ") and "of 2 outputs" in line for line in logged)
     for bad, words in [
         (dict(temperature=0.5), "--temperature"),
         (dict(report=True, reference=str(source)), "--report"),
@@ -456,3 +462,14 @@ def test_decode_cli_options_on_a_nat_workdir(nat_workdir, tmp_path):
     ]:
         with pytest.raises(files.InputError, match=words):
             command.run(dataclasses.replace(options, **bad))
+
+
+def test_multimodality_shares_on_hand_made_outputs():
+    from flaxformer_lite.evaluation import multimodality
+
+    outputs = [[5, 5, 6], [5, 6], [7], []]
+    references = [[5, 6], [5, 6], [7, 7], [4]]
+    m = multimodality.measure(outputs, references)
+    assert (m.outputs, m.repeated, m.reference_repeated) == (4, 0.25, 0.25)
+    assert m.wrong_length == 0.75 and m.mean_length_difference == -0.25
+    assert "25.0% of 4 outputs repeat" in m.line()

@@ -182,6 +182,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
     log(reports.summary(result))
     if references is not None:
         log(reports.bleu_report(result.texts, references))
+        log(reports.multimodality_line(result, references, Vocabularies.of(tokenizer).target))
     if o.attention_png and o.attention_count:
         paths = reports.save_attention_pngs(
             model,
