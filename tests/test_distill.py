@@ -6,6 +6,7 @@ source directly; a 2-step train.py run reads it with the printed flags, and dist
 that run exercises a parallel_text teacher through the command line.
 """
 
+import contextlib
 import json
 import os
 import shlex
@@ -47,7 +48,7 @@ def data_splits(workdir):
 def workdir(tfds_dir, tmp_path_factory):
     from flaxformer_lite.training import loop
 
-    config = tiny_config(tfds_dir, num_steps=60)
+    config = tiny_config(tfds_dir, num_steps=30)
     config.data.shape_balance = 0.7  # repeats the rarer shapes: training sources recur
     path = str(tmp_path_factory.mktemp("distill") / "run")
     loop.train_and_evaluate(config, path, log=lambda s: None)
@@ -102,7 +103,7 @@ def test_one_target_per_training_example_in_order(distilled, splits):
     assert json.loads((out / "distill.json").read_text()) == manifest
     assert manifest["num_train_lines"] == len(sources)
     assert manifest["split_lines"] == {"train": len(sources), "val": 20, "test": 20}
-    assert manifest["step"] == 60 and manifest["beam_size"] == 2 and manifest["alpha"] == 0.6
+    assert manifest["step"] == 30 and manifest["beam_size"] == 2 and manifest["alpha"] == 0.6
     assert manifest["workdir"] == os.path.abspath(manifest["workdir"])
     assert messages[-1].startswith(f"distilled {len(sources)} training line(s)")
 
@@ -247,6 +248,25 @@ def test_languages_and_flags():
     assert shlex.split(distill.shell_line(flags)) == flags
 
 
+def test_the_printed_flags_load_the_corpus(distilled, tfds_dir):
+    """The fast check of the slow end-to-end test below: the flags, applied to the data
+    section, make training read the distilled pairs and the gold test split."""
+    import ast
+
+    out, manifest, _, _ = distilled
+    config = tiny_config(tfds_dir)
+    for flag in manifest["train_flags"]:
+        name, value = flag.removeprefix("--config.data.").split("=", 1)
+        with contextlib.suppress(ValueError, SyntaxError):  # else a plain string
+            value = ast.literal_eval(value)
+        config.data[name] = value
+    splits = datasets.load_splits(run_config_lib.parse(config).data)
+    pairs = [p for p in zip(read(out / "train.src"), read(out / "train.tgt")) if all(p)]
+    assert common.texts(splits["train"], "target") == [t for _, t in pairs]
+    assert common.texts(splits["test"], "target") == read(out / "test.tgt")
+
+
+@pytest.mark.slow
 def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
     out, manifest, _, _ = distilled
     student = str(tmp_path / "student")
