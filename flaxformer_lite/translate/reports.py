@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flaxformer_lite.bleu import corpus_scores
-from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, Tokenizer, Vocabularies
+from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
 from flaxformer_lite.translate.files import InputError
 
 
@@ -33,11 +33,12 @@ def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> str:
 
 def multimodality_line(result, references: Sequence[str], target_vocab) -> str:
     """Repeated tokens and wrong lengths of the 1-best outputs (`evaluation/multimodality.py`),
-    over the lines with a source."""
+    over the lines with a source. Outputs are compared as text, encoded as the references
+    are: the pieces a model emits may segment the same text differently."""
     from flaxformer_lite.evaluation import multimodality
 
     live = [i for i, ids in enumerate(result.sources.ids) if ids]
-    outputs = [[t for t in result.output_ids[i] if t != EOS_ID] for i in live]
+    outputs = [target_vocab.encode(result.texts[i]) for i in live]
     refs = [target_vocab.encode(references[i]) for i in live]
     return multimodality.measure(outputs, refs).line()
 
