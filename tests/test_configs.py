@@ -157,7 +157,27 @@ def test_typed_sections():
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
 def test_every_config_validates(path):
-    run_config.validate(_load_config(path))
+    from flaxformer_lite.tools import dry_run
+
+    config = _load_config(path)
+    run_config.validate(config)
+    assert dry_run.parameter_table(dry_run.abstract_params(config))  # its model builds
+
+
+# Configs that change one thing of another config whose run is tested below, a thing trained
+# end to end elsewhere: their runs are slow tests (their model builds in the test above).
+VARIANTS = {
+    "multi30k_deen": "multi30k_ende with the languages swapped",
+    "nat": "default with a nat section (tests/test_nat.py trains one)",
+    "multi30k_ende_nat": "multi30k_ende with a nat section",
+}
+
+
+def _config_params():
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+        name = os.path.basename(path)[:-3]
+        marks = [pytest.mark.slow] if name in VARIANTS else []
+        yield pytest.param(path, id=name, marks=marks)
 
 
 def test_bad_eval_search_fails_before_any_data(tmp_path):
@@ -275,11 +295,7 @@ def _corpus(directory, config) -> None:
             path.write_text("".join(f"{line} {lang}\n" for line in lines))
 
 
-@pytest.mark.parametrize(
-    "path",
-    sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))),
-    ids=lambda p: os.path.basename(p)[:-3],
-)
+@pytest.mark.parametrize("path", list(_config_params()))
 def test_every_config_trains(path, tmp_path, compile_cache):
     config = _load_config(path)
     d = config.data

@@ -42,6 +42,13 @@ def model_and_params(**kw):
 # The length classifier.
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def length_logits(model, params):
+    module, valid = model.module, SOURCES != 0
+    encoded = module.apply({"params": params}, SOURCES, valid, method=module.encode)
+    return module.apply({"params": params}, encoded, valid, method=module.length_logits)
+
+
 def test_offset_class_is_target_minus_source_around_the_middle():
     got = search.offset_class(jnp.array([5, 3, 300, 0]), jnp.array([2, 4, 1, 200]), 256)
     np.testing.assert_array_equal(got, [131, 127, 255, 0])  # clipped at both ends
@@ -63,10 +70,8 @@ def test_the_model_trains_its_length_classifier_on_the_tokens_before_eos():
     layout = model.layout(TARGETS)
     np.testing.assert_array_equal(layout.lengths, [3, 1])
     np.testing.assert_array_equal(layout.labels[0], [11, 12, 13, 0, 0, 0, 0])  # no EOS
-    _, sums = model.loss(params, BATCH, jax.random.PRNGKey(1), 0)
-    module = model.module
-    encoded = module.apply({"params": params}, SOURCES, SOURCES != 0, method=module.encode)
-    logits = module.apply({"params": params}, encoded, SOURCES != 0, method=module.length_logits)
+    _, sums = jax.jit(model.loss)(params, BATCH, jax.random.PRNGKey(1), 0)
+    logits = length_logits(model, params)
     # Sources hold 5 and 3 tokens (EOS included): offsets 3 - 5 and 1 - 3 around class 8.
     want = objective.length_metrics(logits, jnp.array([6, 6]), jnp.array([True, True]))
     np.testing.assert_allclose(sums["length_loss"], want["length_loss"], rtol=1e-5)
@@ -94,13 +99,8 @@ def test_length_candidates_scale_and_rank():
 
 def test_length_scale_changes_decoded_lengths_as_asked():
     model, params = model_and_params()
-    module, variables = model.module, {"params": params}
-    valid = SOURCES != 0
-    encoded = module.apply(variables, SOURCES, valid, method=module.encode)
-    classes = jnp.argmax(
-        module.apply(variables, encoded, valid, method=module.length_logits), axis=-1
-    )
-    predicted = np.asarray(valid.sum(-1) + classes - 8)  # the classifier's length
+    classes = jnp.argmax(length_logits(model, params), axis=-1)
+    predicted = np.asarray((SOURCES != 0).sum(-1) + classes - 8)  # the classifier's length
     for scale in (0.5, 1.0, 2.0, 3.0):
         tokens, _ = model.predict(params, BATCH, NATSearch(max_len=40, length_scale=scale))
         decoded = np.asarray((tokens[:, 0] != PAD_ID).sum(-1) - 1)  # tokens before EOS
@@ -133,7 +133,7 @@ def test_self_attention_is_not_causal():
         return logits[:, 0].sum()
 
     vectors = jax.random.normal(jax.random.PRNGKey(2), (*TARGETS.shape, 32))
-    grad = jax.grad(first_output)(vectors)
+    grad = jax.jit(jax.grad(first_output))(vectors)
     assert float(jnp.abs(grad[:, -1]).max()) > 0  # the last position reaches position 0
 
     # The autoregressive decoder, the same way: the last position never reaches position 0.
@@ -158,7 +158,7 @@ def test_self_attention_is_not_causal():
         )
         return logits[:, 0].sum()
 
-    assert float(jnp.abs(jax.grad(at_first_output)(vectors)[:, -1]).max()) == 0.0
+    assert float(jnp.abs(jax.jit(jax.grad(at_first_output))(vectors)[:, -1]).max()) == 0.0
 
 
 def test_uniform_copy_index():
@@ -198,7 +198,7 @@ def test_cmlm_masks_between_one_and_all_tokens():
 def test_loss_covers_the_masked_tokens_only():
     model, params = model_and_params()
     rng = jax.random.PRNGKey(3)
-    _, sums = model.loss(params, BATCH, rng, 0)
+    _, sums = jax.jit(model.loss)(params, BATCH, rng, 0)
     masked = objective.random_masks(
         jax.random.split(rng)[0], model.layout(TARGETS).valid, "uniform"
     )
