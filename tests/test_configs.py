@@ -170,6 +170,7 @@ VARIANTS = {
     "multi30k_deen": "multi30k_ende with the languages swapped",
     "nat": "default with a nat section (tests/test_nat.py trains one)",
     "multi30k_ende_nat": "multi30k_ende with a nat section",
+    "multi30k_ende_nat_distilled": "multi30k_ende_nat on another corpus directory",
 }
 
 
