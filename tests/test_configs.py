@@ -171,6 +171,8 @@ VARIANTS = {
     "nat": "default with a nat section (tests/test_nat.py trains one)",
     "multi30k_ende_nat": "multi30k_ende with a nat section",
     "multi30k_ende_nat_distilled": "multi30k_ende_nat on another corpus directory",
+    "wmt14_ende_big": "wmt14_ende_base at another size, which SHRINK trains at the same size",
+    "tiny": "default shrunk; most of the suite trains it in-process",
 }
 
 
