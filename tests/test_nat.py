@@ -408,6 +408,20 @@ def test_nat_section_field_names_are_checked():
         run_config_lib.validate(config)
 
 
+def test_nat_search_flags_are_checked():
+    from flaxformer_lite.translate import files, runner
+
+    run_config = {"nat": {"length_mode": "fixed"}, "data": {"max_target_len": 16}, "model": {}}
+    with pytest.raises(files.InputError, match="--length_scale 2.0 scales predicted lengths"):
+        runner.make_nat_search(run_config, length_scale=2.0)
+    with pytest.raises(files.InputError, match="--length_beam 2"):
+        runner.make_nat_search(run_config, length_beam=2)
+    run_config["nat"] = {"iterations": 7}
+    assert runner.make_nat_search(run_config) == NATSearch(max_len=16, iterations=7)
+    with pytest.raises(files.InputError, match="--nbest 2 needs"):
+        runner.make_nat_search(run_config, nbest=2)
+
+
 def test_model_rejects_unknown_settings():
     with pytest.raises(ValueError, match="length_mode"):
         NonAutoregressiveModel(tiny_model_config(), length_mode="guess")

@@ -174,6 +174,11 @@ def make_nat_search(
     model = run_config["model"]
     if model.get("positions") == "learned" and max_len > model["max_len"]:
         raise InputError(f"--max_len {max_len} exceeds the model's {model['max_len']} positions")
+    if nat.get("length_mode", "predict") == "fixed" and length_scale != 1.0:
+        raise InputError(
+            f"--length_scale {length_scale} scales predicted lengths, but this model decodes a "
+            "fixed length (nat.length_mode='fixed') and ends at its first EOS; drop --length_scale"
+        )
     if nat.get("length_mode", "predict") == "fixed" and length_beam > 1:
         raise InputError(
             f"--length_beam {length_beam}: this model decodes a fixed length (nat.length_mode="
