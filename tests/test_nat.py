@@ -487,3 +487,17 @@ def test_multimodality_shares_on_hand_made_outputs():
     assert (m.outputs, m.repeated, m.reference_repeated) == (4, 0.25, 0.25)
     assert m.wrong_length == 0.75 and m.mean_length_difference == -0.25
     assert "25.0% of 4 outputs repeat" in m.line()
+
+
+def test_a_narrower_decoder_gives_the_same_output():
+    """Eager predict decodes as wide as the longest candidate needs, jitted predict as wide
+    as max_len allows: the padded positions change nothing."""
+    from flaxformer_lite.models.non_autoregressive import decoder_width
+
+    assert [decoder_width(n, 39) for n in (1, 8, 9, 17, 33, 39)] == [8, 8, 16, 32, 39, 39]
+    model, params = model_and_params()
+    search = NATSearch(max_len=40, iterations=3, length_beam=2)
+    narrow = model.predict(params, BATCH, search)
+    wide = jax.jit(lambda p, b: model.predict(p, b, search))(params, BATCH)
+    np.testing.assert_array_equal(narrow[0], wide[0])
+    np.testing.assert_allclose(narrow[1], wide[1], rtol=1e-5, atol=1e-6)

@@ -228,34 +228,55 @@ def _repeat(x: jax.Array, times: int) -> jax.Array:
     return x if times == 1 else jnp.repeat(x, times, axis=0)
 
 
+def decoder_width(longest: int, full: int) -> int:
+    """Decoder positions for candidates of at most `longest` tokens: the next power of two
+    (at least 8), at most `full`, so a file compiles a few widths, not one per length."""
+    width = 8
+    while width < longest:
+        width *= 2
+    return min(width, full)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "search"))
-def _predict(
-    model: NonAutoregressiveModel,
-    params,
-    inputs: jax.Array,
-    source_valid: jax.Array,
-    search: NATSearch,
-    length_scale: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """(tokens int32[B, l, max_len], mean token log-probabilities float32[B, l]), best first."""
+def _lengths(model, params, inputs, source_valid, search: NATSearch, length_scale):
+    """(encoded [B, S, D], candidate lengths int32[B, l])."""
     module, variables = model.module, {"params": params}
-    batch = inputs.shape[0]
     encoded = module.apply(variables, inputs, source_valid, method=NATransformer.encode)
-    if model.predicts_length:
-        width, beam = search.max_len - 1, search.length_beam  # room for the appended EOS
-        length_logits = module.apply(
-            variables, encoded, source_valid, method=NATransformer.length_logits
-        )
-        lengths = search_lib.length_candidates(
-            length_logits,
-            source_valid.sum(-1),
-            beam=beam,
-            scale=length_scale,
-            max_len=width,
-        )  # [B, l]
-    else:
-        width, beam = search.max_len, 1
-        lengths = jnp.full((batch, 1), width, jnp.int32)
+    if not model.predicts_length:
+        return encoded, jnp.full((inputs.shape[0], 1), search.max_len, jnp.int32)
+    length_logits = module.apply(
+        variables, encoded, source_valid, method=NATransformer.length_logits
+    )
+    lengths = search_lib.length_candidates(
+        length_logits,
+        source_valid.sum(-1),
+        beam=search.length_beam,
+        scale=length_scale,
+        max_len=search.max_len - 1,  # room for the appended EOS
+    )
+    return encoded, lengths
+
+
+def _predict(model, params, inputs, source_valid, search: NATSearch, length_scale):
+    """(tokens int32[B, l, max_len], mean token log-probabilities float32[B, l]), best first.
+
+    Called eagerly, the decoder is as wide as the longest candidate needs (a host read of
+    the lengths between the two jitted halves); traced inside another jit, as wide as
+    max_len allows.
+    """
+    encoded, lengths = _lengths(model, params, inputs, source_valid, search, length_scale)
+    full = search.max_len - 1 if model.predicts_length else search.max_len
+    width = full
+    if model.predicts_length and not isinstance(lengths, jax.core.Tracer):
+        width = decoder_width(int(lengths.max()), full)
+    return _refine(model, params, encoded, inputs, source_valid, lengths, search, width)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "search", "width"))
+def _refine(model, params, encoded, inputs, source_valid, lengths, search: NATSearch, width: int):
+    """Mask-Predict over every candidate length at once, then the best candidate first."""
+    module, variables = model.module, {"params": params}
+    batch, beam = lengths.shape
     lengths = lengths.reshape(-1)  # [R], row b * l + j is candidate j of example b
     encoded, valid, inputs = (_repeat(x, beam) for x in (encoded, source_valid, inputs))
     copied = None
@@ -263,9 +284,11 @@ def _predict(
         copied = module.apply(
             variables, inputs, valid, lengths, width, method=NATransformer.copied_inputs
         )
-
     # Padding and the mask are never outputs; nor is EOS where the length is known.
     never = [PAD_ID, model.mask_id] + ([model.eos_id] if model.predicts_length else [])
+    bias = (
+        jnp.zeros((model.config.output_vocab_size,), jnp.float32).at[jnp.array(never)].set(-jnp.inf)
+    )
 
     def logits_fn(tokens, target_valid):
         logits = module.apply(
@@ -278,7 +301,7 @@ def _predict(
             mask_id=model.mask_id,
             method=NATransformer.decode,
         )
-        return logits.at[..., jnp.array(never)].set(-jnp.inf)
+        return logits + bias
 
     tokens, scores = search_lib.mask_predict(
         logits_fn,
@@ -288,17 +311,17 @@ def _predict(
         mask_id=model.mask_id,
         pad_id=PAD_ID,
     )  # [R, W] each
-    if model.predicts_length:  # n tokens, then EOS
-        tokens = jnp.pad(tokens, ((0, 0), (0, 1)), constant_values=PAD_ID)
-        scores = jnp.pad(scores, ((0, 0), (0, 1)))
-        at_end = jnp.arange(width + 1)[None, :] == lengths[:, None]
+    pad = search.max_len - width  # back to max_len columns: n tokens, EOS, padding
+    tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=PAD_ID)
+    scores = jnp.pad(scores, ((0, 0), (0, pad)))
+    if model.predicts_length:
+        at_end = jnp.arange(search.max_len)[None, :] == lengths[:, None]
         tokens = jnp.where(at_end, model.eos_id, tokens)
     tokens = search_lib.truncate_at_eos(tokens, model.eos_id, PAD_ID)
     kept = (tokens != PAD_ID) & (tokens != model.eos_id if model.predicts_length else True)
-    counted = kept.sum(-1)
     scores = jnp.where(kept, scores, 0.0)
     return search_lib.best_candidate(
         tokens.reshape(batch, beam, -1),
         scores.reshape(batch, beam, -1),
-        counted.reshape(batch, beam),
+        kept.sum(-1).reshape(batch, beam),
     )
