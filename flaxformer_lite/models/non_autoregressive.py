@@ -25,6 +25,7 @@ the labels being the targets with EOS in place of the padding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -267,8 +268,10 @@ def _predict(model, params, inputs, source_valid, search: NATSearch, length_scal
     encoded, lengths = _lengths(model, params, inputs, source_valid, search, length_scale)
     full = search.max_len - 1 if model.predicts_length else search.max_len
     width = full
-    if model.predicts_length and not isinstance(lengths, jax.core.Tracer):
-        width = decoder_width(int(lengths.max()), full)
+    traced = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
+    if model.predicts_length:
+        with contextlib.suppress(*traced):  # traced: the lengths are not known here
+            width = decoder_width(int(lengths.max()), full)
     return _refine(model, params, encoded, inputs, source_valid, lengths, search, width)
 
 
