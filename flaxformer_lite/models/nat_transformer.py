@@ -31,10 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.models.capture import parse_capture
-from flaxformer_lite.models.transformer import Decoder, Encoder
+from flaxformer_lite.models.transformer import encoder_and_decoder
 from flaxformer_lite.nn import masks
-from flaxformer_lite.nn.embeddings import Embed
 
 
 def uniform_copy_index(source_len: jax.Array, target_len: jax.Array, width: int) -> jax.Array:
@@ -64,23 +62,7 @@ class NATransformer(nn.Module):
 
     def setup(self):
         cfg = self.config
-        if cfg.share_embeddings and not cfg.input_features:
-            shared = Embed(cfg.vocab_size, cfg, name="shared_embedding")
-            source_embed, target_embed = shared, shared
-        else:
-            source_embed = (
-                None if cfg.input_features else Embed(cfg.vocab_size, cfg, name="source_embedding")
-            )
-            target_embed = Embed(cfg.output_vocab_size, cfg, name="target_embedding")
-        self.source_embed = source_embed
-        chosen = parse_capture(self.capture, cfg)
-        self.encoder = Encoder(cfg, source_embed, capture=chosen["encoder/self"])
-        self.decoder = Decoder(
-            cfg,
-            target_embed,
-            capture_self=chosen["decoder/self"],
-            capture_cross=chosen["decoder/cross"],
-        )
+        self.source_embed, self.encoder, self.decoder = encoder_and_decoder(cfg, self.capture)
         if self.length_classes:
             self.length_embedding = self.param(
                 "length_embedding",

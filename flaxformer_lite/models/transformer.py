@@ -238,6 +238,35 @@ class Decoder(nn.Module):
         return self._logits(y), {"layers": new_layers, "index": index + length}
 
 
+def encoder_and_decoder(
+    cfg: TransformerConfig, capture: tuple[str, ...] = ()
+) -> tuple[Embed | None, Encoder, Decoder]:
+    """The embeddings (one module when shared, none for feature inputs), encoder and decoder
+    of a model, for the `setup` of the module that owns them (the names are its parameters').
+
+    Returns:
+      (the source embedding or None, the encoder, the decoder).
+    """
+    if cfg.share_embeddings and not cfg.input_features:
+        shared = Embed(cfg.vocab_size, cfg, name="shared_embedding")
+        source_embed, target_embed = shared, shared
+    else:
+        source_embed = (
+            None if cfg.input_features else Embed(cfg.vocab_size, cfg, name="source_embedding")
+        )
+        target_embed = Embed(cfg.output_vocab_size, cfg, name="target_embedding")
+    chosen = parse_capture(capture, cfg)
+    encoder = Encoder(cfg, source_embed, capture=chosen["encoder/self"], name="encoder")
+    decoder = Decoder(
+        cfg,
+        target_embed,
+        capture_self=chosen["decoder/self"],
+        capture_cross=chosen["decoder/cross"],
+        name="decoder",
+    )
+    return source_embed, encoder, decoder
+
+
 def token_validity(tokens: jax.Array) -> jax.Array:
     """bool[B, S]: True where a token id is not PAD_ID."""
     return tokens != PAD_ID
@@ -259,23 +288,7 @@ class Transformer(nn.Module):
     capture: tuple[str, ...] = ()  # attention probabilities to sow, e.g. "decoder/cross/-1"
 
     def setup(self):
-        cfg = self.config
-        if cfg.share_embeddings and not cfg.input_features:
-            shared = Embed(cfg.vocab_size, cfg, name="shared_embedding")
-            source_embed, target_embed = shared, shared
-        else:
-            source_embed = (
-                None if cfg.input_features else Embed(cfg.vocab_size, cfg, name="source_embedding")
-            )
-            target_embed = Embed(cfg.output_vocab_size, cfg, name="target_embedding")
-        chosen = parse_capture(self.capture, cfg)
-        self.encoder = Encoder(cfg, source_embed, capture=chosen["encoder/self"])
-        self.decoder = Decoder(
-            cfg,
-            target_embed,
-            capture_self=chosen["decoder/self"],
-            capture_cross=chosen["decoder/cross"],
-        )
+        _, self.encoder, self.decoder = encoder_and_decoder(self.config, self.capture)
 
     def _source_valid(self, inputs: jax.Array, source_valid: jax.Array | None) -> jax.Array:
         if source_valid is not None:
