@@ -9,7 +9,7 @@ workdir and pass the flags it prints.
 
 import ml_collections
 
-from configs import multi30k_ende
+from configs import multi30k_ende, nat
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -17,13 +17,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.exposure_report = False  # an autoregressive report
     config.train.eval_search = "greedy"  # unused: evaluation runs Mask-Predict
 
-    config.nat = n = ml_collections.ConfigDict()
-    n.length_mode = "predict"  # predict (a classifier on the encoder) | fixed (cut at first EOS)
-    n.length_classes = 256  # offsets target - source in [-128, 128), as fairseq
-    n.length_loss_weight = 0.1  # of the length loss, next to the token loss (fairseq's 0.1)
-    n.length_stop_gradient = False  # True: the length loss does not train the encoder
-    n.decoder_inputs = "mask"  # mask (a row of mask tokens) | copy (uniform source copy)
-    n.masking = "uniform"  # uniform (CMLM: k ~ U{1..n} masked) | all (single-pass NAT)
-    n.iterations = 10  # evaluation: Mask-Predict decoder calls (1: single pass)
-    n.length_beam = 3  # evaluation: length candidates decoded in parallel
+    config.nat = nat.nat_section(iterations=10, length_beam=3)  # evaluation's Mask-Predict
     return config
