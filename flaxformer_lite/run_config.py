@@ -35,7 +35,7 @@ BEST_METRICS = {
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 SPLITS = ("train", "validation", "test")
-SECTIONS = ("model", "data", "optim", "train", "mesh", "scheduled_sampling", "nat")
+SECTIONS = ("model", "data", "optim", "train", "mesh", "scheduled_sampling", "nat", "copy")
 
 
 # {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
@@ -219,6 +219,21 @@ class NATConfig:
     length_beam: int = _field(1, POSITIVE)
 
 
+def _head_indices(flag, v):
+    if isinstance(v, (tuple, list)) and all(_is_int(h) and h >= 0 for h in v):
+        return None
+    return f"{flag} must be a tuple of head indices >= 0 (empty: all heads), got {v!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyConfig:
+    """`copy` (optional section): a run config with it trains the pointer-generator head
+    (models/pointer_generator.py) on extended ids (data/extended_ids.py)."""
+
+    layer: int = _field(-1, lambda flag, v: None if _is_int(v) else f"{flag} must be an integer")
+    heads: tuple[int, ...] = _field((), _head_indices)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """`mesh`: devices for data x fsdp x model (see parallel/partitioning.py)."""
@@ -238,6 +253,7 @@ class RunConfig:
     mesh: MeshConfig
     scheduled_sampling: ScheduledSamplingConfig
     nat: NATConfig | None  # None: the autoregressive model
+    copy: CopyConfig | None = None  # None: the plain softmax output
 
 
 def _plain(value):
@@ -330,6 +346,9 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
     nat = nat_of(config)
     if nat is not None:
         _check_nat(nat, model, data, train, sampling)
+    copy = copy_of(config)
+    if copy is not None:
+        _check_copy(copy, model, data, sampling, nat)
     return RunConfig(
         model=model,
         data=data,
@@ -338,7 +357,54 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
         mesh=mesh,
         scheduled_sampling=sampling,
         nat=nat,
+        copy=copy,
     )
+
+
+def copy_of(config: ml_collections.ConfigDict | Mapping) -> CopyConfig | None:
+    """The `copy` section of a run config (or of a workdir's saved one); None: no copy head."""
+    if "copy" not in config or config["copy"] is None:
+        return None
+    return _section(CopyConfig, "copy", config["copy"])
+
+
+def _check_copy(copy, model, data, sampling, nat) -> None:
+    layers, heads = model.num_decoder_layers, model.num_heads
+    if not -layers <= copy.layer < layers:
+        raise ConfigError(
+            f"copy.layer={copy.layer} names no decoder layer: the model has {layers} "
+            f"(use 0..{layers - 1}, or -1 for the last)"
+        )
+    if any(h >= heads for h in copy.heads):
+        raise ConfigError(
+            f"copy.heads={tuple(copy.heads)} names a head the model lacks: it has {heads} "
+            f"(use indices 0..{heads - 1}, or () for all)"
+        )
+    if nat is not None:
+        raise ConfigError(
+            "the copy head extends the autoregressive decoder, but this run config also has a "
+            "nat section: drop one of them"
+        )
+    if model.input_features:
+        raise ConfigError(
+            "the copy head copies source tokens, but model.input_features reads features: "
+            "drop the copy section or use token inputs"
+        )
+    if not data.shared_vocab:
+        raise ConfigError(
+            "the copy head emits a source token by its id, which needs one vocabulary for both "
+            "sides: set --config.data.shared_vocab=True and --config.model.share_embeddings=True"
+        )
+    if data.batching == "pack":
+        raise ConfigError(
+            "data.batching='pack' puts several examples in a row, but extended ids are numbered "
+            "per example: use --config.data.batching=bucket or fixed with the copy head"
+        )
+    if sampling.mode != "off":
+        raise ConfigError(
+            f"scheduled_sampling.mode={sampling.mode!r} is not supported with the copy head "
+            "(its fed predictions would need extended ids): drop one of them"
+        )
 
 
 def nat_of(config: ml_collections.ConfigDict) -> NATConfig | None:

@@ -263,6 +263,7 @@ def eval_batches(
     max_target_len: int,
     process_index: int = 0,
     process_count: int = 1,
+    extended: bool = False,
 ) -> FixedBatches:
     """Evaluation batches of a split: in split order, one pass, the last batch padded to
     ``batch_size`` rows with all-PAD rows whose ``valid`` is False.
@@ -270,9 +271,14 @@ def eval_batches(
     ``batches[i]``, ``i < len(batches) = ceil(n / batch_size)``, is ``{"inputs":
     int32[B / P, max_source_len], "targets": int32[B / P, max_target_len], "valid":
     bool[B / P]}`` (this process's rows of global batch ``i``, as in :class:`FixedBatches`).
+    ``extended``: with the copy head's extended ids (:func:`tokenize_split`).
     """
     tokenized = tokenize_split(
-        source, tokenizer, max_source_len=max_source_len, max_target_len=max_target_len
+        source,
+        tokenizer,
+        max_source_len=max_source_len,
+        max_target_len=max_target_len,
+        extended=extended,
     )
     return FixedBatches(
         tokenized,

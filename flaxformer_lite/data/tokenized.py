@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str, read_all
+from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import Vocabularies, with_eos
 
 
@@ -45,6 +46,7 @@ class Tokenized:
     max_target_len: int
     num_sources_truncated: int
     num_targets_truncated: int
+    oov: list[tuple[str, ...]] | None = None  # with extended ids: each example's unknown pieces
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -56,6 +58,7 @@ def tokenize_split(
     *,
     max_source_len: int,
     max_target_len: int,
+    extended: bool = False,
 ) -> Tokenized:
     """Tokenizes every example of ``source`` once (ids + EOS, truncated keeping EOS last).
 
@@ -63,6 +66,10 @@ def tokenize_split(
 
     Strings are encoded one at a time: SentencePiece's list API starts a thread pool per call,
     which is slower for short sentences. Multi30k train (29,000 pairs) takes about 0.5 s.
+
+    ``extended``: unknown source pieces get per-example extended ids, and target pieces that
+    repeat them the same ids (`data/extended_ids.py`, for the copy head); needs one shared
+    vocabulary. ``Tokenized.oov`` then holds each example's unknown pieces.
     """
     if min(max_source_len, max_target_len) < 1:
         raise ValueError(
@@ -75,11 +82,15 @@ def tokenize_split(
         encoders = (tokenizer, tokenizer)
     pieces: tuple[list[list[int]], list[list[int]]] = ([], [])
     truncated = [0, 0]
-    for example in read_all(source):  # each record read once, in chunks
-        for side, field in enumerate((SOURCE_FIELD, TARGET_FIELD)):
-            ids, cut = with_eos(encoders[side].encode(as_str(example[field])), limits[side])
-            truncated[side] += cut
-            pieces[side].append(ids)
+    if extended:
+        oov = _encode_extended(source, encoders, limits, pieces, truncated)
+    else:
+        oov = None
+        for example in read_all(source):  # each record read once, in chunks
+            for side, field in enumerate((SOURCE_FIELD, TARGET_FIELD)):
+                ids, cut = with_eos(encoders[side].encode(as_str(example[field])), limits[side])
+                truncated[side] += cut
+                pieces[side].append(ids)
     arrays = []
     for side_pieces in pieces:
         lengths = np.fromiter(map(len, side_pieces), np.int32, len(side_pieces))
@@ -91,5 +102,23 @@ def tokenize_split(
     (targets, target_ids, target_offsets, target_lengths) = arrays[1]
     return Tokenized(
         sources, targets, source_ids, target_ids, source_offsets, target_offsets,
-        source_lengths, target_lengths, max_source_len, max_target_len, *truncated,
+        source_lengths, target_lengths, max_source_len, max_target_len, *truncated, oov,
     )  # fmt: skip
+
+
+def _encode_extended(source, encoders, limits, pieces, truncated) -> list[tuple[str, ...]]:
+    """`tokenize_split`'s loop with extended ids; fills `pieces` and `truncated`, returns the
+    unknown pieces of every example."""
+    if encoders[0] is not encoders[1] and encoders[0] != encoders[1]:
+        raise ValueError("extended ids need one shared vocabulary for source and target")
+    vocab = ExtendedVocabulary(encoders[0])
+    oov = []
+    for example in read_all(source):
+        ids, unknown, cut = vocab.encode_source(as_str(example[SOURCE_FIELD]), limits[0])
+        truncated[0] += cut
+        pieces[0].append(ids)
+        oov.append(unknown)
+        ids, cut = vocab.encode_target(as_str(example[TARGET_FIELD]), unknown, limits[1])
+        truncated[1] += cut
+        pieces[1].append(ids)
+    return oov

@@ -238,6 +238,15 @@ class Tokenizer:
         """Encodes one string to ids, without BOS or EOS; unknown characters become UNK_ID."""
         return self._processor.encode(text, out_type=int)
 
+    def encode_with_pieces(self, text: str) -> tuple[list[int], list[str]]:
+        """Ids of ``text`` (as :meth:`encode`) and each id's piece text; an ``UNK_ID`` piece
+        is the raw characters it stands for (SentencePiece merges a run of unknown ones)."""
+        ids = self._processor.encode(text, out_type=int)
+        if UNK_ID not in ids:
+            return ids, [self._processor.id_to_piece(i) for i in ids]
+        pieces = self._processor.encode(text, return_type="proto").pieces
+        return [p.id for p in pieces], [p.piece for p in pieces]
+
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Decodes ids up to (excluding) the first EOS_ID, skipping PAD_ID and BOS_ID.
 

@@ -22,8 +22,11 @@ from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
+from flaxformer_lite.models.copy_transformer import CopyTransformer
+from flaxformer_lite.models.pointer_generator import CopyHead
 from flaxformer_lite.models.transformer import Transformer, token_validity
 from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.objectives import pointer_generator as copy_loss
 from flaxformer_lite.objectives import scheduled_sampling as ss
 
 PACKING_KEYS = ("inputs_segments", "inputs_positions", "targets_segments", "targets_positions")
@@ -56,21 +59,37 @@ def packing_of(batch: Batch) -> dict[str, jax.Array] | None:
 
 @dataclasses.dataclass(frozen=True)
 class AutoregressiveModel(Seq2SeqModel):
-    """Encoder + causal decoder trained with teacher forcing and label smoothing."""
+    """Encoder + causal decoder trained with teacher forcing and label smoothing.
+
+    With `copy` the output is the pointer-generator mixture over the extended
+    vocabulary (`models/copy_transformer.py`): batches then carry extended ids
+    (`data/extended_ids.py`), and every output of the protocol (predicted
+    tokens, scores) may hold them.
+    """
 
     config: TransformerConfig
     label_smoothing: float = 0.0  # eps_ls of the training loss (§5.4)
     scheduled_sampling: ss.ScheduledSampling = ss.ScheduledSampling()  # off: teacher forcing
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
+    copy: CopyHead | None = None  # None: the plain softmax output
 
     @property
-    def module(self) -> Transformer:
-        return Transformer(self.config)
+    def module(self) -> Transformer | CopyTransformer:
+        return self._module()
+
+    def _module(self, capture: tuple[str, ...] = ()):
+        if self.copy is None:
+            return Transformer(self.config, capture=capture)
+        return CopyTransformer(self.config, self.copy, capture=capture)
 
     def _forward(self, params, batch, decoder_inputs, *, rng=None, module=None, **kw):
+        """Logits [B, T, V], or with the copy head log P [B, T, W] (the extended vocabulary)."""
         module = module or self.module
-        return module.apply(
+        copy_state = self.copy is not None and "mutable" not in kw
+        if copy_state:
+            kw["mutable"] = ["intermediates"]  # the head reads its attention from there
+        out = module.apply(
             {"params": params},
             batch["inputs"],
             decoder_inputs,
@@ -79,6 +98,13 @@ class AutoregressiveModel(Seq2SeqModel):
             rngs=None if rng is None else {"dropout": rng},
             **kw,
         )
+        return out[0] if copy_state else out
+
+    def _metrics(self, outputs, targets, segments=None):
+        if self.copy is None:
+            return cross_entropy.metrics_sums(outputs, targets, self.label_smoothing, segments)
+        vocab = self.config.output_vocab_size
+        return copy_loss.metrics_sums(outputs, targets, self.label_smoothing, vocab, segments)
 
     def init(self, rng: jax.Array, batch_shapes: dict[str, tuple[int, ...]]) -> Params:
         shape = batch_shapes["inputs"]  # (B, S) token ids or (B, S, F) features
@@ -86,7 +112,9 @@ class AutoregressiveModel(Seq2SeqModel):
         source = jnp.ones(shape, jnp.float32 if features else jnp.int32)
         valid = jnp.ones(shape[:2], jnp.bool_) if features else None
         target = jnp.ones(batch_shapes["targets"], jnp.int32)
-        return self.module.init({"params": rng}, source, target, source_valid=valid)["params"]
+        # The copy head reads its attention from "intermediates", which init leaves immutable.
+        kw = {} if self.copy is None else {"mutable": ["params", "intermediates"]}
+        return self.module.init({"params": rng}, source, target, source_valid=valid, **kw)["params"]
 
     def loss(self, params, batch, rng, step):
         packing = packing_of(batch)
@@ -97,7 +125,7 @@ class AutoregressiveModel(Seq2SeqModel):
             logits, extra = self._sampled_passes(params, batch, decoder_inputs, rng, step, packing)
         else:
             logits = self._forward(params, batch, decoder_inputs, rng=rng, packing=packing)
-        sums = cross_entropy.metrics_sums(logits, batch["targets"], self.label_smoothing, segments)
+        sums = self._metrics(logits, batch["targets"], segments)
         return sums["loss"], {**sums, **extra}
 
     def _sampled_passes(self, params, batch, decoder_inputs, rng, step, packing):
@@ -149,7 +177,7 @@ class AutoregressiveModel(Seq2SeqModel):
 
     def evaluate(self, params, batch):
         logits = self._forward(params, batch, shift_right(batch["targets"], self.bos_id))
-        return cross_entropy.metrics_sums(logits, batch["targets"], self.label_smoothing)
+        return self._metrics(logits, batch["targets"])
 
     def predict(self, params, batch, search: predict.SearchConfig, rng=None):
         return predict.decode(
@@ -173,7 +201,7 @@ class AutoregressiveModel(Seq2SeqModel):
         return token, token.sum(axis=-1)
 
     def attention_weights(self, params, batch, layers):
-        module = Transformer(self.config, capture=tuple(layers))
+        module = self._module(tuple(layers))
         decoder_inputs = shift_right(batch["targets"], self.bos_id)
         _, state = self._forward(
             params, batch, decoder_inputs, module=module, mutable=["intermediates"]
@@ -185,3 +213,25 @@ class AutoregressiveModel(Seq2SeqModel):
         logits = self._forward(params, batch, shift_right(targets, self.bos_id))  # [B, T, V]
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
         return jnp.where(targets != PAD_ID, best, PAD_ID)
+
+    def copy_gate(self, params, batch) -> jax.Array:
+        """The copy head's p_gen float32[B, T] at every target position, teacher forced
+        (0 at padding); what decoding used when the targets are its output."""
+        if self.copy is None:
+            raise ValueError("this model has no copy head")
+        targets = batch["targets"]
+        (_, gate), _ = self.module.apply(
+            {"params": params},
+            batch["inputs"],
+            batch.get("inputs_valid"),
+            shift_right(targets, self.bos_id),
+            method=_decode_with_gate,
+            mutable=["intermediates"],
+        )
+        return jnp.where(targets != PAD_ID, gate, 0.0)
+
+
+def _decode_with_gate(module: CopyTransformer, inputs, source_valid, decoder_inputs):
+    valid = token_validity(inputs) if source_valid is None else source_valid
+    source = module.encode(inputs, valid)
+    return module.decode(source, valid, decoder_inputs, return_gate=True)

@@ -2,7 +2,8 @@
 
 A run config without a `nat` section trains the autoregressive model
 (`models/autoregressive.py`); with one, the non-autoregressive model
-(`models/non_autoregressive.py`). Training, `decode.py` and `--dry_run` build
+(`models/non_autoregressive.py`); with a `copy` section, the autoregressive
+model with the pointer-generator head. Training, `decode.py` and `--dry_run` build
 the model here, so a workdir decodes with the kind it was trained as.
 """
 
@@ -16,16 +17,19 @@ from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.models.non_autoregressive import NATSearch, NonAutoregressiveModel
+from flaxformer_lite.models.pointer_generator import CopyHead
 
 
 def build_model(config: ml_collections.ConfigDict, model_cfg: TransformerConfig) -> Seq2SeqModel:
     """The run's model behind the protocol."""
     nat = run_config_lib.nat_of(config)
     if nat is None:
+        copy = run_config_lib.copy_of(config)
         return AutoregressiveModel(
             model_cfg,
             label_smoothing=config.train.label_smoothing,
             scheduled_sampling=run_config_lib.scheduled_sampling_of(config),
+            copy=None if copy is None else CopyHead(copy.layer, tuple(copy.heads)),
         )
     return NonAutoregressiveModel(
         model_cfg,
@@ -37,6 +41,12 @@ def build_model(config: ml_collections.ConfigDict, model_cfg: TransformerConfig)
         decoder_inputs=nat.decoder_inputs,
         masking=nat.masking,
     )
+
+
+def has_copy_head(run_config: dict | ml_collections.ConfigDict) -> bool:
+    """Whether a run config (or a workdir's saved one) trains the copy head: its data then
+    carry extended ids (`data/extended_ids.py`)."""
+    return run_config.get("copy") is not None
 
 
 def is_non_autoregressive(run_config: dict | ml_collections.ConfigDict) -> bool:

@@ -18,8 +18,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.models.copy_transformer import CopyTransformer
 from flaxformer_lite.models.transformer import Transformer, init_cache, token_validity
 from flaxformer_lite.search import autoregressive
+
+
+def _apply(model, variables, *args, method: str):
+    """`model.apply` of a method; the copy head's modules read sown attention, so they run
+    with "intermediates" mutable (and the collection is dropped)."""
+    if isinstance(model, CopyTransformer):
+        return model.apply(variables, *args, method=method, mutable=["intermediates"])[0]
+    return model.apply(variables, *args, method=method)
 
 
 def _repeat_rows(tree, times: int):
@@ -58,8 +67,8 @@ def cached_step(
     batch = inputs.shape[0]
     variables = {"params": params}
     valid = token_validity(inputs) if source_valid is None else source_valid  # [B, S]
-    encoded = model.apply(variables, inputs, valid, method=Transformer.encode)  # [B, S, D]
-    cross_kv = model.apply(variables, encoded, method=Transformer.precompute_cross_kv)
+    encoded = _apply(model, variables, inputs, valid, method="encode")  # [B, S, D]
+    cross_kv = _apply(model, variables, encoded, method="precompute_cross_kv")
     fill_len = 0 if prefix is None else prefix.shape[1]  # BOS + prefix[:-1]
     cache = init_cache(cfg, batch, fill_len + max_len)
     if prefix is None:
@@ -67,15 +76,13 @@ def cached_step(
     else:
         bos = jnp.full((batch, 1), bos_id, jnp.int32)
         fill = jnp.concatenate([bos, prefix[:, :-1].astype(jnp.int32)], axis=1)  # [B, P]
-        _, cache = model.apply(
-            variables, fill, cache, cross_kv, valid, method=Transformer.decode_step
-        )
+        _, cache = _apply(model, variables, fill, cache, cross_kv, valid, method="decode_step")
         first = prefix[:, -1].astype(jnp.int32)
     cross_kv, valid_b, cache = _repeat_rows((cross_kv, valid, cache), beams)
 
     def tokens_to_logits(token_ids, cache):
-        logits, cache = model.apply(
-            variables, token_ids, cache, cross_kv, valid_b, method=Transformer.decode_step
+        logits, cache = _apply(
+            model, variables, token_ids, cache, cross_kv, valid_b, method="decode_step"
         )
         return logits[:, -1], cache  # [B*beams, V]
 
@@ -103,7 +110,7 @@ def full_recompute_step(
     batch = inputs.shape[0]
     variables = {"params": params}
     valid = token_validity(inputs) if source_valid is None else source_valid  # [B, S]
-    encoded = model.apply(variables, inputs, valid, method=Transformer.encode)
+    encoded = _apply(model, variables, inputs, valid, method="encode")
     fill_len = 0 if prefix is None else prefix.shape[1]
     tokens = jnp.zeros((batch, fill_len + max_len), jnp.int32)
     if prefix is None:
@@ -116,7 +123,7 @@ def full_recompute_step(
     def tokens_to_logits(token_ids, cache):
         i = cache["index"]
         tokens = jax.lax.dynamic_update_slice(cache["tokens"], token_ids, (0, i))  # [B, L]
-        logits = model.apply(variables, encoded, valid_b, tokens, method=Transformer.decode)
+        logits = _apply(model, variables, encoded, valid_b, tokens, method="decode")
         step_logits = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)  # [B, V]
         return step_logits, {"tokens": tokens, "index": i + 1}
 

@@ -132,11 +132,25 @@ class Decoder(nn.Module):
 
     def _logits(self, y: jax.Array) -> jax.Array:
         """[B, T, D] -> float32[B, T, V]."""
-        if self.config.norm == "pre":
-            y = self.final_norm(y)
+        return self._project(self._final(y))
+
+    def _final(self, y: jax.Array) -> jax.Array:
+        """The last layer's output as the softmax reads it: [B, T, D]."""
+        return self.final_norm(y) if self.config.norm == "pre" else y
+
+    def _project(self, hidden: jax.Array) -> jax.Array:
+        """Pre-softmax projection: [B, T, D] -> float32[B, T, V]."""
         if self.config.tie_output_embedding:
-            return self.embed.attend(y)
-        return self.logits_dense(y).astype(jnp.float32)
+            return self.embed.attend(hidden)
+        return self.logits_dense(hidden).astype(jnp.float32)
+
+    def _outputs(self, y: jax.Array, embedded: jax.Array, features: bool):
+        """Logits, or with `features` (logits, {"hidden": [B, T, D] the softmax's input,
+        "embedded": [B, T, D] the input token embeddings}) for a copy head."""
+        if not features:
+            return self._logits(y)
+        hidden = self._final(y)
+        return self._project(hidden), {"hidden": hidden, "embedded": embedded}
 
     def __call__(
         self,
@@ -149,7 +163,8 @@ class Decoder(nn.Module):
         positions: jax.Array | None = None,
         replacements: tuple[jax.Array, jax.Array] | None = None,
         input_vectors: tuple[jax.Array, jax.Array] | None = None,
-    ) -> jax.Array:
+        features: bool = False,
+    ) -> jax.Array | tuple[jax.Array, dict]:
         """Teacher-forced decoder pass.
 
         Args:
@@ -163,8 +178,9 @@ class Decoder(nn.Module):
           input_vectors: (use bool[B, T], vectors [B, T, D]): where `use`, the input
             embedding is that vector (a non-autoregressive decoder's copied source
             embeddings, `models/nat_transformer.py`).
+          features: also return the copy head's inputs (`_outputs`).
         Returns:
-          float32[B, T, V] logits.
+          float32[B, T, V] logits (with `features`: and the features dict).
         """
         y = self.embed(decoder_inputs)
         if replacements is not None:
@@ -174,6 +190,7 @@ class Decoder(nn.Module):
         if input_vectors is not None:
             use, vectors = input_vectors
             y = jnp.where(use[..., None], vectors.astype(y.dtype), y)
+        embedded = y
         y = self.positions(y, positions)
         y = self.dropout(y, deterministic=deterministic)
         if self.config.scan_layers and not self.is_initializing():
@@ -194,10 +211,10 @@ class Decoder(nn.Module):
                 capture,
                 first=lambda out: out[0],
             )
-            return self._logits(y)
+            return self._outputs(y, embedded, features)
         for layer in self.layers:
             y, _ = layer(y, encoded, self_mask, cross_mask, deterministic=deterministic)
-        return self._logits(y)
+        return self._outputs(y, embedded, features)
 
     def cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
         """Every layer's cross-attention keys/values: [(k, v) [B, S, N, H]] * layers."""
@@ -209,20 +226,24 @@ class Decoder(nn.Module):
         cache: dict,
         cross_kv: list[tuple[jax.Array, jax.Array]],
         source_valid: jax.Array,
-    ) -> tuple[jax.Array, dict]:
+        features: bool = False,
+    ) -> tuple:
         """Decodes `tokens` int[B, T] at positions [index, index + T) with a KV cache.
 
         Args:
           source_valid: bool[B, S], the encoder positions that hold input.
+          features: also return the copy head's inputs (`_outputs`).
         Returns:
-          (logits float32[B, T, V], updated cache). Layout in the module docstring.
+          (logits float32[B, T, V], updated cache), with `features` (logits, cache,
+          features). Cache layout in the module docstring.
         """
         index = cache["index"]
         batch, length = tokens.shape
         positions = index + jnp.arange(length)  # [T]
         self_mask = masks.cache_mask(positions, cache["layers"][0]["k"].shape[1], batch)
         cross_mask = masks.cross_mask(source_valid, length)  # [B, T, S]
-        y = self.positions(self.embed(tokens), positions[None, :])
+        embedded = self.embed(tokens)
+        y = self.positions(embedded, positions[None, :])
         new_layers = []
         for layer, layer_cache, kv in zip(self.layers, cache["layers"], cross_kv, strict=True):
             y, updated = layer(
@@ -235,7 +256,11 @@ class Decoder(nn.Module):
                 cross_kv=kv,
             )
             new_layers.append({"k": updated["k"], "v": updated["v"]})
-        return self._logits(y), {"layers": new_layers, "index": index + length}
+        cache = {"layers": new_layers, "index": index + length}
+        if features:
+            logits, feats = self._outputs(y, embedded, True)
+            return logits, cache, feats
+        return self._logits(y), cache
 
 
 def encoder_and_decoder(

@@ -110,8 +110,20 @@ def metrics_sums(
       correct whole sequences, tokens, sequences.
     """
     smoothed, nll = cross_entropy(logits, labels, label_smoothing)
+    return sums_of(smoothed, nll, jnp.argmax(logits, axis=-1), labels, segments)
+
+
+def sums_of(
+    smoothed: jax.Array,
+    nll: jax.Array,
+    predicted: jax.Array,
+    labels: jax.Array,
+    segments: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """`metrics_sums` from per-token losses float32[B, T] (0 at padding) and the argmax
+    int[B, T] of any output distribution (the copy head's: `objectives/pointer_generator.py`)."""
     weights = (labels != PAD_ID).astype(jnp.float32)
-    hit = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32) * weights
+    hit = (predicted == labels).astype(jnp.float32) * weights
     if segments is None:
         real = jnp.any(labels != PAD_ID, axis=-1)  # [B] rows that are not padding rows
         seq_ok = jnp.all((hit > 0) | (weights == 0), axis=-1) & real

@@ -9,6 +9,7 @@ from jax.experimental import multihost_utils
 
 from flaxformer_lite.bleu import corpus_scores
 from flaxformer_lite.data import tokenizer as tokenizer_lib
+from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.evaluation import exposure_bias, exposure_probe
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
@@ -80,7 +81,7 @@ def evaluate(
       BLEU signature when `bleu` (computed with the scores, not again), and the
       exposure report with its scalars (eb_...) added to the metrics.
     """
-    target_vocab = tokenizer_lib.Vocabularies.of(tokenizer).target
+    detokenize = row_detokenizer(dataset, tokenizer_lib.Vocabularies.of(tokenizer).target)
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
     totals: dict[str, float] = {}
     hyps: list[str] = []
@@ -94,7 +95,7 @@ def evaluate(
         # [B, T]; a plain host copy with one process, an all-gather across processes.
         decoded = decode_fn(params, batch)
         predicted = multihost_utils.process_allgather(decoded, tiled=True)
-        hyps.extend(target_vocab.decode_batch(predicted[host["valid"]]))
+        hyps.extend(detokenize(predicted[host["valid"]], len(hyps)))
         if exposure is not None:
             probed.append(exposure.arrays(params, batch, decoded).rows(host["valid"]))
     refs = references[: len(hyps)]
@@ -112,13 +113,26 @@ def evaluate(
     return Evaluation(metrics, list(zip(hyps, refs)), signature, report)
 
 
+def row_detokenizer(dataset, vocab):
+    """(ids int[n, L] of examples first..first+n-1 of `dataset`'s split, first) -> texts.
+
+    With the copy head's extended ids (`Tokenized.oov`), each row decodes with its own
+    example's unknown pieces; otherwise as `Tokenizer.decode_batch`.
+    """
+    oov = getattr(getattr(dataset, "tokenized", None), "oov", None)
+    if oov is None:
+        return lambda ids, first: vocab.decode_batch(ids)
+    extended = ExtendedVocabulary(vocab)
+    return lambda ids, first: extended.decode_batch(ids, oov[first : first + len(ids)])
+
+
 def print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
     """Logs the first `count` held-out examples and up to `count` of the errors."""
-    source_vocab = tokenizer_lib.Vocabularies.of(tokenizer).source
-    sources = []
+    detokenize = row_detokenizer(dataset, tokenizer_lib.Vocabularies.of(tokenizer).source)
+    sources: list[str] = []
     for i in range(len(dataset)):
         batch = dataset[i]
-        sources.extend(source_vocab.decode_batch(batch["inputs"][batch["valid"]]))
+        sources.extend(detokenize(batch["inputs"][batch["valid"]], len(sources)))
     rows = list(zip(sources, pairs))
     errors = [r for r in rows[count:] if r[1][0] != r[1][1]]  # beyond the rows shown first
     wrong = sum(hyp != ref for _, (hyp, ref) in rows)

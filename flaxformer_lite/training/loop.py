@@ -29,7 +29,7 @@ from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.common import texts
 from flaxformer_lite.evaluation import exposure_probe
 from flaxformer_lite.models.base import Seq2SeqModel
-from flaxformer_lite.models.from_config import build_model, search_from_config
+from flaxformer_lite.models.from_config import build_model, has_copy_head, search_from_config
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import checkpoints, optim, restore, train_data
@@ -226,7 +226,10 @@ class Run:
             exposure=exposure_probe.Probe.for_search(
                 self.model,
                 search_from_config(self.config),
-                tokenizer_lib.Vocabularies.of(self.tokenizer).target,
+                # Re-tokenizing text would lose the copy head's extended ids.
+                None
+                if has_copy_head(self.config)
+                else tokenizer_lib.Vocabularies.of(self.tokenizer).target,
             )
             if self.config.train.exposure_report
             else None,
@@ -243,6 +246,7 @@ def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
             batch_size=t.eval_batch_size,
             max_source_len=d.max_source_len,
             max_target_len=d.max_target_len,
+            extended=has_copy_head(config),
         )
         for name in ("validation", "test")
         if name in splits

@@ -58,7 +58,11 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
         )
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     tokenized = batching.tokenize_split(
-        train_split, tokenizer, max_source_len=d.max_source_len, max_target_len=d.max_target_len
+        train_split,
+        tokenizer,
+        max_source_len=d.max_source_len,
+        max_target_len=d.max_target_len,
+        extended=config.get("copy") is not None,  # the copy head's extended ids
     )
     log(
         f"train: {len(tokenized.sources)} examples, {tokenized.num_sources_truncated} sources "

@@ -148,7 +148,10 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         log("input is empty: nothing to decode")
         return
     max_source_len = run_config["data"]["max_source_len"]
-    sources = runner.tokenize_lines(tokenizer, lines, max_source_len, strict=o.strict)
+    copy_head = run_config.get("copy") is not None  # extended ids, as in training
+    sources = runner.tokenize_lines(
+        tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
+    )
     for warning in reports.input_warnings(num_invalid, sources, max_source_len):
         log(warning)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
@@ -164,7 +167,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
     targets = None
     if o.report:  # the references' checks come before decoding
         targets = exposure.tokenize_references(
-            tokenizer, references, run_config, strict=o.strict, log=log
+            tokenizer, references, run_config, strict=o.strict, log=log, oov=sources.oov
         )
     result = runner.decode_lines(
         model,
@@ -193,6 +196,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
             o.attention_png,
             layer=o.attention_layer,
             count=o.attention_count,
+            oov=sources.oov,
         )
         log(f"wrote {len(paths)} attention plot(s) to {o.attention_png}")
     if o.report:
@@ -200,7 +204,8 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
             *(model, params, run_config, sources, targets, result.output_ids),
             search=search,
             batch_size=o.batch_size,
-            target_vocab=Vocabularies.of(tokenizer).target,
+            # Re-tokenizing text would lose the copy head's extended ids.
+            target_vocab=None if sources.oov is not None else Vocabularies.of(tokenizer).target,
         )
         log(report.table())
 
@@ -209,7 +214,9 @@ def _score(o, model, params, tokenizer, run_config, sources, references) -> None
     from flaxformer_lite.translate import scoring
 
     max_target_len = run_config["data"]["max_target_len"]
-    targets = scoring.tokenize_targets(tokenizer, references, max_target_len, strict=o.strict)
+    targets = scoring.tokenize_targets(
+        tokenizer, references, max_target_len, strict=o.strict, oov=sources.oov
+    )
     if targets.num_truncated:
         log(
             f"warning: {targets.num_truncated} reference line(s) longer than {max_target_len} "

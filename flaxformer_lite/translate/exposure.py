@@ -50,14 +50,18 @@ def tokenize_references(
     *,
     strict: bool = False,
     log: Callable[[str], None] = lambda s: None,
+    oov=None,
 ) -> scoring.Targets:
-    """The references as the report's gold targets (before decoding, so --strict fails first).
+    """The references as the report's gold targets (before decoding, so --strict fails first);
+    `oov` as in `scoring.tokenize_targets`.
 
     Raises:
       InputError: `strict` and a reference longer than the model's target length.
     """
     max_target_len = run_config["data"]["max_target_len"]
-    targets = scoring.tokenize_targets(tokenizer, references, max_target_len, strict=strict)
+    targets = scoring.tokenize_targets(
+        tokenizer, references, max_target_len, strict=strict, oov=oov
+    )
     if targets.num_truncated:
         log(
             f"warning: {targets.num_truncated} reference line(s) longer than {max_target_len} "

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flaxformer_lite.bleu import corpus_scores
+from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
 from flaxformer_lite.translate.files import InputError
 
@@ -61,9 +62,10 @@ def input_warnings(num_invalid_utf8: int, sources, max_source_len: int) -> list[
             "tokens were truncated (--strict refuses them)"
         )
     if sources.num_unknown:
+        how = "the copy head can copy them" if sources.oov is not None else "decoded as <unk>"
         out.append(
             f"warning: {sources.num_unknown} line(s) contain characters unknown to the "
-            "vocabulary (decoded as <unk>)"
+            f"vocabulary ({how})"
         )
     return out
 
@@ -86,8 +88,9 @@ def check_attention_layer(layer: int, num_layers: int) -> None:
         raise InputError(f"--attention_layer {layer} is out of range for {num_layers} layer(s)")
 
 
-def _cross_attention(model, params, source_ids, output_ids, layer: int) -> np.ndarray:
-    """Teacher-forced cross-attention of one decoder layer: float32[B, N, T, S]."""
+def _cross_attention(model, params, source_ids, output_ids, layer: int):
+    """Teacher-forced cross-attention of one decoder layer float32[B, N, T, S], and with a
+    copy head its p_gen float32[B, T] (else None)."""
     import jax
 
     src_len = max(len(s) for s in source_ids)
@@ -102,26 +105,49 @@ def _cross_attention(model, params, source_ids, output_ids, layer: int) -> np.nd
     for row, out in enumerate(output_ids):
         targets[row, : len(out)] = out
 
+    copy_head = getattr(model, "copy", None) is not None
+
     def weights_fn(params, inputs, targets):
         batch = {"inputs": inputs, "targets": targets}
-        return model.attention_weights(params, batch, (name,))[name]  # float32[B, N, T, S]
+        weights = model.attention_weights(params, batch, (name,))[name]  # float32[B, N, T, S]
+        return weights, model.copy_gate(params, batch) if copy_head else None
 
-    return np.asarray(jax.jit(weights_fn)(params, inputs, targets))
+    weights, gate = jax.jit(weights_fn)(params, inputs, targets)
+    return np.asarray(weights), None if gate is None else np.asarray(gate)
 
 
-def _plot(weights: np.ndarray, src: list[str], out: list[str], title: str, path: str) -> None:
-    """One PNG of float32[N, >= len(out), >= len(src)] weights, one panel per head."""
+def _plot(
+    weights: np.ndarray,
+    src: list[str],
+    out: list[str],
+    title: str,
+    path: str,
+    gate: np.ndarray | None = None,
+) -> None:
+    """One PNG of float32[N, >= len(out), >= len(src)] weights, one panel per head; with
+    `gate` (a copy head's p_gen float32[>= len(out)]) a first, narrow panel shows it per
+    output token (1: generated from the vocabulary, 0: copied)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     heads = weights.shape[0]
     # Capped so that long sentences still give a figure within matplotlib's pixel limits.
-    width = heads * (1.0 + min(0.3 * len(src), 12.0))
+    width = heads * (1.0 + min(0.3 * len(src), 12.0)) + (1.2 if gate is not None else 0.0)
     fig = Figure(figsize=(width, 1.5 + min(0.3 * len(out), 30.0)))
-    axes = fig.subplots(1, heads, squeeze=False)[0]
+    panels = heads + (gate is not None)
+    ratios = ([0.12 * max(len(src), 1)] if gate is not None else []) + [len(src) or 1] * heads
+    axes = list(fig.subplots(1, panels, squeeze=False, width_ratios=ratios)[0])
+    if gate is not None:
+        ax = axes.pop(0)
+        ax.imshow(gate[: len(out), None], cmap="magma", vmin=0.0, vmax=1.0, aspect="auto")
+        for t in range(len(out)):
+            ax.text(0, t, f"{gate[t]:.2f}", ha="center", va="center", fontsize=7, color="cyan")
+        ax.set_xticks([0], ["p_gen"], fontsize=8)
+        ax.set_yticks(range(len(out)), out, fontsize=8)
+        ax.set_title("copy gate", fontsize=9)
     for h, ax in enumerate(axes):
         ax.imshow(weights[h, : len(out), : len(src)], cmap="viridis", vmin=0.0, vmax=1.0)
         ax.set_xticks(range(len(src)), src, rotation=90, fontsize=8)
-        ax.set_yticks(range(len(out)), out if h == 0 else [], fontsize=8)
+        ax.set_yticks(range(len(out)), out if h == 0 and gate is None else [], fontsize=8)
         ax.set_title(f"head {h}", fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -138,13 +164,16 @@ def save_attention_pngs(
     *,
     layer: int = -1,
     count: int = 4,
+    oov: Sequence[Sequence[str]] | None = None,
 ) -> list[str]:
-    """Plots the cross-attention of the first `count` non-empty inputs, one PNG each.
+    """Plots the cross-attention of the first `count` non-empty inputs, one PNG each; for a
+    copy head, with its p_gen per output token beside the heads.
 
     Args:
       source_ids: per input line, source ids ending in EOS ([] = empty line, skipped).
       output_ids: per input line, the generated ids (EOS included).
       layer: decoder layer (negative counts from the last).
+      oov: per input line, its unknown pieces (`Sources.oov`), which label extended ids.
     Returns:
       Paths written: `out_dir/attention_<line index, 0-based, 4 digits>.png`,
       one panel per head, x = source pieces, y = output pieces.
@@ -155,16 +184,21 @@ def save_attention_pngs(
     if not chosen:
         return []
     os.makedirs(out_dir, exist_ok=True)
-    weights = _cross_attention(
+    weights, gate = _cross_attention(
         model, params, [source_ids[i] for i in chosen], [output_ids[i] for i in chosen], layer
     )
     vocab = Vocabularies.of(tokenizer)
+    source_pieces, target_pieces = vocab.source.id_to_piece, vocab.target.id_to_piece
+    if oov is not None:
+        source_pieces = ExtendedVocabulary(vocab.source).piece
+        target_pieces = ExtendedVocabulary(vocab.target).piece
     paths = []
     for row, i in enumerate(chosen):
-        src = [vocab.source.id_to_piece(t) for t in source_ids[i]]
-        out = [vocab.target.id_to_piece(t) for t in output_ids[i]]
+        unknown = () if oov is None else (oov[i],)
+        src = [source_pieces(t, *unknown) for t in source_ids[i]]
+        out = [target_pieces(t, *unknown) for t in output_ids[i]]
         title = f"line {i}: decoder layer {layer % num_layers} cross-attention"
         path = os.path.join(out_dir, f"attention_{i:04d}.png")
-        _plot(weights[row], src, out, title, path)
+        _plot(weights[row], src, out, title, path, None if gate is None else gate[row])
         paths.append(path)
     return paths

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from flaxformer_lite.data import tokenizer as tokenizer_lib
+from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.models import predict
 from flaxformer_lite.training import checkpoints
@@ -210,6 +211,15 @@ class Sources:
     num_empty: int = 0
     num_truncated: int = 0
     num_unknown: int = 0  # lines with characters the vocabulary does not know (UNK_ID)
+    oov: list[tuple[str, ...]] | None = None  # extended ids: each line's unknown pieces
+
+    def detokenizer(self, target_vocab: Tokenizer):
+        """(ids of line i's output, i) -> text; a copy head's extended ids take the text of
+        line i's own unknown pieces (`data/extended_ids.py`)."""
+        if self.oov is None:
+            return lambda ids, i: target_vocab.decode(ids)
+        extended = ExtendedVocabulary(target_vocab)
+        return lambda ids, i: extended.decode(ids, self.oov[i])
 
 
 def tokenize_lines(
@@ -218,10 +228,12 @@ def tokenize_lines(
     max_source_len: int,
     *,
     strict: bool = False,
+    extended: bool = False,
 ) -> Sources:
     """Source ids as training makes them: `encode(line) + [EOS]`, at most `max_source_len`.
 
     `tokenizer`: the shared tokenizer, or the pair whose source side is used.
+    `extended`: unknown pieces get the copy head's extended ids (`Sources.oov`).
 
     Blank lines get [] and are not decoded. Longer sources are cut to
     `max_source_len` ids with EOS kept last, or with `strict` refused.
@@ -230,16 +242,22 @@ def tokenize_lines(
       InputError: `strict` and some line is too long (names the first line numbers, 1-based).
     """
     encoder = Vocabularies.of(tokenizer).source
-    out = Sources(ids=[])
+    extension = ExtendedVocabulary(encoder) if extended else None
+    out = Sources(ids=[], oov=[] if extended else None)
     too_long = []
     for number, line in enumerate(lines, start=1):
         ids = encoder.encode(line) if line.strip() else []
+        if extension is not None:
+            out.oov.append(())
         if not ids:
             out.ids.append([])
             out.num_empty += 1
             continue
         out.num_unknown += UNK_ID in ids
-        ids, truncated = with_eos(ids, max_source_len)
+        if extension is None:
+            ids, truncated = with_eos(ids, max_source_len)
+        else:
+            ids, out.oov[-1], truncated = extension.encode_source(line, max_source_len)
         if truncated:
             too_long.append(number)
         out.ids.append(ids)
@@ -305,13 +323,14 @@ class DecodeResult:
         """The 1-best text per line ("" for empty lines)."""
         return [h[0][0] if h else "" for h in self.hypotheses]
 
-    def collect(self, indices, tokens, scores, target_vocab, nbest: int) -> None:
-        """Stores one batch: tokens int32[rows, n, max_len], scores float32[rows, n]."""
+    def collect(self, indices, tokens, scores, detokenize, nbest: int) -> None:
+        """Stores one batch: tokens int32[rows, n, max_len], scores float32[rows, n];
+        `detokenize(ids, line index)` as `Sources.detokenizer`."""
         tokens, scores = np.asarray(tokens), np.asarray(scores)
         for row, i in enumerate(indices):
             kept = range(min(nbest, tokens.shape[1]))
             self.hypotheses[i] = [
-                (target_vocab.decode(tokens[row, k]), float(scores[row, k])) for k in kept
+                (detokenize(tokens[row, k], i), float(scores[row, k])) for k in kept
             ]
             ids = [t for t in tokens[row, 0].tolist() if t != PAD_ID]  # as Tokenizer.decode
             self.output_ids[i] = ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
@@ -382,8 +401,10 @@ def decode_lines(
     bar = progress_bar(live, "decode", progress)
     start = time.perf_counter()
 
+    detokenize = sources.detokenizer(target_vocab)
+
     def collect(indices, tokens, scores):
-        result.collect(indices, tokens, scores, target_vocab, nbest)
+        result.collect(indices, tokens, scores, detokenize, nbest)
         bar.update(len(indices))
         elapsed = max(time.perf_counter() - start, 1e-9)
         bar.set_postfix_str(f"{result.num_output_tokens / elapsed:.0f} tok/s")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.translate import runner
 from flaxformer_lite.translate.files import InputError
@@ -44,16 +45,24 @@ def tokenize_targets(
     max_target_len: int,
     *,
     strict: bool = False,
+    oov: Sequence[Sequence[str]] | None = None,
 ) -> Targets:
     """Target ids as training makes them: `encode(line) + [EOS]`, at most `max_target_len`.
+
+    `oov`: each line's source unknown pieces (`Sources.oov` of a copy head's workdir):
+    target pieces that repeat them get their extended ids, as in training.
 
     Raises:
       InputError: `strict` and some line is too long (names the first line numbers, 1-based).
     """
     encoder = Vocabularies.of(tokenizer).target
+    extension = None if oov is None else ExtendedVocabulary(encoder)
     out, too_long = Targets(ids=[]), []
     for number, line in enumerate(lines, start=1):
-        ids, truncated = with_eos(encoder.encode(line) if line.strip() else [], max_target_len)
+        if extension is not None and line.strip():
+            ids, truncated = extension.encode_target(line, oov[number - 1], max_target_len)
+        else:
+            ids, truncated = with_eos(encoder.encode(line) if line.strip() else [], max_target_len)
         if truncated:
             too_long.append(number)
         out.ids.append(ids)
