@@ -3,8 +3,9 @@
 "hi , i am Kuroro" -> "hello Kuroro , nice to meet you". 20,000 generated training pairs;
 the 500 validation and 1,000 test pairs use names that share no word with training, and half
 of them hold characters (ž, ø, Å, ...) that the training split, hence the vocabulary, lacks.
-The default model size, trained for a few minutes on 2 CPU cores; checkpoints ranked by exact
-match. Score the copied spans of decoded outputs with flaxformer_lite/evaluation/copy_spans.py.
+The default model size, 1500 steps (10 minutes on 2 CPU cores shared with other jobs, test
+exact match 0.497 of at most 0.5: see the README); checkpoints ranked by exact match. Score
+the copied spans of decoded outputs with flaxformer_lite/evaluation/copy_spans.py.
 """
 
 import ml_collections
