@@ -48,6 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
     d.seed = 0  # seed of the assignment (not of training: that is train.seed)
     d.valid_fraction = 0.05  # share of pairs held out for validation
     d.test_fraction = 0.05  # share held out for the final test
+    # names: the generated name-copy task's examples per split (drawn with data.seed).
+    d.names_train, d.names_valid, d.names_test = 20_000, 500, 1_000
     # parallel_text: {split}.{lang} files (optionally .gz), one sentence a line.
     d.corpus_dir = ""  # a relative path is read from the working directory
     # parallel_text and TFDS catalog datasets: which side is which.

@@ -2,6 +2,7 @@
 
 data.dataset selects the loader:
   number_words    the generated default task (data.languages, data.max_number);
+  names           the generated name-copy task (data.names_train, names_valid, names_test);
   parallel_text   {split}.{lang} files in data.corpus_dir;
   tsv             a tab-separated pairs file data.tsv_path, seeded split;
   anything else   a TFDS catalog name such as "wmt14_translate/de-en".
@@ -20,7 +21,7 @@ from flaxformer_lite.config import ConfigError
 if TYPE_CHECKING:
     from flaxformer_lite.run_config import DataConfig
 
-LOCAL_DATASETS = ("number_words", "parallel_text", "tsv")
+LOCAL_DATASETS = ("number_words", "names", "parallel_text", "tsv")
 
 
 def load_splits(data: DataConfig) -> dict[str, Any]:
@@ -79,6 +80,10 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
             data.shape_balance,
             data.num_numbers,
         )
+    if data.dataset == "names":
+        from flaxformer_lite.data.names import load_names
+
+        return load_names(data.names_train, data.names_valid, data.names_test, data.seed)
     from flaxformer_lite.data import translation
 
     names = dict(data.split_names)

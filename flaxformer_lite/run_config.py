@@ -122,9 +122,12 @@ class DataConfig:
     always_train_below: int = _field(100, NON_NEGATIVE)  # number_words
     shape_balance: float = _field(0.7, _number(0.0, 1.0, high_open=False))  # number_words
     num_numbers: int = _field(0, NON_NEGATIVE)  # number_words: 0 = all up to max_number
-    seed: int = _field(0, NON_NEGATIVE)  # number_words, tsv: the seeded split
+    seed: int = _field(0, NON_NEGATIVE)  # number_words, tsv: the seeded split; names: the draws
     valid_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
     test_fraction: float = _field(0.05, FRACTION)  # number_words, tsv
+    names_train: int = _field(20_000, POSITIVE)  # names: examples per split
+    names_valid: int = _field(500, NON_NEGATIVE)  # names
+    names_test: int = _field(1_000, NON_NEGATIVE)  # names
     corpus_dir: str = _field("", _string)  # parallel_text
     source_lang: str = _field("", _string)  # parallel_text, catalog
     target_lang: str = _field("", _string)  # parallel_text, catalog
@@ -529,7 +532,7 @@ def _check_dataset(d: DataConfig) -> None:
                 f"data.source_column and data.target_column are both {d.source_column}; "
                 "the source and the target must be different columns"
             )
-    if d.dataset not in ("number_words", "tsv"):
+    if d.dataset not in ("number_words", "names", "tsv"):
         for name in ("source_lang", "target_lang"):
             if not getattr(d, name):
                 raise ConfigError(

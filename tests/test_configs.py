@@ -323,6 +323,11 @@ def test_every_config_trains(path, tmp_path, compile_cache):
         args.append("--config.data.always_train_below=0")  # any of them may be held out
         args.append("--config.data.num_numbers=0")  # all of them
         command = ["train.py", *args]
+    elif d.dataset == "names":
+        # each of its ~70 characters (both cases, digits, punctuation) needs a piece
+        args[args.index("--config.data.vocab_size=48")] = "--config.data.vocab_size=96"
+        args += ["--config.data.names_train=200", "--config.data.names_valid=8"]
+        command = ["train.py", *args, "--config.data.names_test=8"]
     elif d.dataset == "parallel_text":
         _corpus(tmp_path, config)
         command = ["train.py", *args, f"--config.data.corpus_dir={tmp_path}"]
