@@ -173,6 +173,9 @@ VARIANTS = {
     "multi30k_ende_nat_distilled": "multi30k_ende_nat on another corpus directory",
     "wmt14_ende_big": "wmt14_ende_base at another size, which SHRINK trains at the same size",
     "tiny": "default shrunk; most of the suite trains it in-process",
+    "copy": "default with a copy section (tests/test_copy.py trains one)",
+    "names_copy": "names with a copy section",
+    "multi30k_ende_copy": "multi30k_ende with a copy section",
 }
 
 
