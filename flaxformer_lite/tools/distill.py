@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from flaxformer_lite.files import atomic_write
+from flaxformer_lite.models.from_config import has_copy_head
 from flaxformer_lite.translate import files, reports, runner
 
 MANIFEST = "distill.json"
@@ -162,7 +163,8 @@ def distill_targets(
     """
     distinct = list(dict.fromkeys(sources))  # first-seen order
     max_source_len = run_config["data"]["max_source_len"]
-    tokenized = runner.tokenize_lines(tokenizer, distinct, max_source_len)
+    copy_head = has_copy_head(run_config)  # its extended ids, as in training
+    tokenized = runner.tokenize_lines(tokenizer, distinct, max_source_len, extended=copy_head)
     for warning in reports.input_warnings(0, tokenized, max_source_len):
         log(f"{warning} (of the {len(distinct)} distinct training sources)")
     result = runner.decode_lines(

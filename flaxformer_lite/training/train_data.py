@@ -21,6 +21,7 @@ from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.common import texts
+from flaxformer_lite.models.from_config import has_copy_head
 
 
 def prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2) -> Iterator:
@@ -62,7 +63,7 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
         tokenizer,
         max_source_len=d.max_source_len,
         max_target_len=d.max_target_len,
-        extended=config.get("copy") is not None,  # the copy head's extended ids
+        extended=has_copy_head(config),  # the copy head's extended ids
     )
     log(
         f"train: {len(tokenized.sources)} examples, {tokenized.num_sources_truncated} sources "

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from flaxformer_lite.data.tokenizer import Vocabularies
+from flaxformer_lite.models.from_config import has_copy_head
 from flaxformer_lite.translate import exposure, files, reports, runner
 
 
@@ -148,7 +149,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         log("input is empty: nothing to decode")
         return
     max_source_len = run_config["data"]["max_source_len"]
-    copy_head = run_config.get("copy") is not None  # extended ids, as in training
+    copy_head = has_copy_head(run_config)  # extended ids, as in training
     sources = runner.tokenize_lines(
         tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
     )

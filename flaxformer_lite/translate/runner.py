@@ -27,6 +27,7 @@ from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.models import predict
+from flaxformer_lite.models.from_config import has_copy_head
 from flaxformer_lite.training import checkpoints
 
 # Line I/O and reports moved to files.py and reports.py; still importable from here.
@@ -392,7 +393,10 @@ def decode_lines(
     max_source_len = run_config["data"]["max_source_len"]
     sources = lines
     if not isinstance(lines, Sources):
-        sources = tokenize_lines(tokenizer, lines, max_source_len, strict=strict)
+        copy_head = has_copy_head(run_config)  # its extended ids, as in training
+        sources = tokenize_lines(
+            tokenizer, lines, max_source_len, strict=strict, extended=copy_head
+        )
     lengths = [len(ids) for ids in sources.ids]
     live, rows = sum(1 for n in lengths if n), batch_rows(lengths, batch_size)
     batches = plan_batches(lengths, rows, bucket_lengths(max_source_len))
