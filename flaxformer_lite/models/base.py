@@ -14,6 +14,10 @@ Batches are dicts of arrays (B batch, S source length, T target length):
   "targets_segments", "targets_positions"  int32[B, T]  packed rows only
   "prefix"          int32[B, P] forced first target tokens (`predict` only, optional)
 
+With a copy head, ids >= V in "inputs" and "targets" are per-example extended
+ids of source pieces the vocabulary cannot spell (`data/extended_ids.py`), and
+`predict` may return them.
+
 Implementations are frozen dataclasses: hashable, so they are static
 arguments of `jax.jit`, and cheap to rebuild with `dataclasses.replace`.
 """
