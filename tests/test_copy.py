@@ -75,6 +75,21 @@ def test_the_mixture_is_a_distribution_in_float32():
     assert float(jnp.exp(log_probs[0, :, V + 2 :]).max()) == 0.0
 
 
+def test_the_scanned_layers_and_the_fast_kernel_give_the_same_mixture():
+    """The copied attention is read from either capture layout (scanned or unrolled) and
+    from the fast kernel's complement, so the head works on every path."""
+    model = _model(layer=0)
+    params = _params(model)
+    other = AutoregressiveModel(
+        dataclasses.replace(CFG, scan_layers=True, attention_impl="fast"),
+        label_smoothing=0.1,
+        copy=pg.CopyHead(layer=0),
+    )
+    np.testing.assert_allclose(
+        _log_probs(other, params), _log_probs(model, params), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_copy_mass_sums_attention_per_id_and_log_mixture_by_hand():
     attention = jnp.array([[[0.5, 0.25, 0.25, 0.0]]])  # [B=1, T=1, S=4]
     copy_ids = jnp.array([[6, 4, 6, 0]])
