@@ -28,7 +28,11 @@ from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import UNK_ID
 from flaxformer_lite.models import pointer_generator as pg
 from flaxformer_lite.models.capture import captured_attention
-from flaxformer_lite.models.transformer import encoder_and_decoder, token_validity
+from flaxformer_lite.models.transformer import (
+    decoder_masks,
+    encoder_and_decoder,
+    token_validity,
+)
 from flaxformer_lite.nn import masks
 
 
@@ -95,12 +99,7 @@ class CopyTransformer(nn.Module):
     ):
         """Teacher-forced log P float32[B, T, W] for decoder inputs int[B, T] (BOS + prefix,
         extended ids allowed); with `return_gate` also p_gen float32[B, T]."""
-        tseg = sseg = positions = None
-        if packing is not None:
-            tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
-            positions = packing["targets_positions"]
-        self_mask = masks.decoder_mask(token_validity(decoder_inputs), tseg)
-        cross = masks.cross_mask(source_valid, decoder_inputs.shape[1], tseg, sseg)
+        self_mask, cross, positions = decoder_masks(source_valid, decoder_inputs, packing)
         logits, feats = self.decoder(
             source["encoded"],
             self._embeddable(decoder_inputs),

@@ -297,6 +297,21 @@ def token_validity(tokens: jax.Array) -> jax.Array:
     return tokens != PAD_ID
 
 
+def decoder_masks(
+    source_valid: jax.Array, decoder_inputs: jax.Array, packing: dict[str, jax.Array] | None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """A teacher-forced decoder pass's (self mask bool[B, T, T], cross mask bool[B, T, S],
+    positions int[B, T] or None), from the source validity bool[B, S] and the gold decoder
+    inputs int[B, T]; packed rows mask by segment."""
+    tseg = sseg = positions = None
+    if packing is not None:
+        tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
+        positions = packing["targets_positions"]
+    self_mask = masks.decoder_mask(token_validity(decoder_inputs), tseg)
+    cross = masks.cross_mask(source_valid, decoder_inputs.shape[1], tseg, sseg)
+    return self_mask, cross, positions
+
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer with optional shared embeddings (§3.4).
 
@@ -352,12 +367,7 @@ class Transformer(nn.Module):
         `replacements`: scheduled sampling's, as in `Decoder.__call__`; the masks
         come from the gold `decoder_inputs`.
         """
-        tseg = sseg = positions = None
-        if packing is not None:
-            tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
-            positions = packing["targets_positions"]
-        self_mask = masks.decoder_mask(token_validity(decoder_inputs), tseg)
-        cross = masks.cross_mask(source_valid, decoder_inputs.shape[1], tseg, sseg)
+        self_mask, cross, positions = decoder_masks(source_valid, decoder_inputs, packing)
         return self.decoder(
             encoded,
             decoder_inputs,
