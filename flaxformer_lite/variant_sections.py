@@ -1,0 +1,180 @@
+"""The optional run-config sections that switch on a model variant, and their checks.
+
+`scheduled_sampling` feeds the autoregressive decoder its own predictions
+(objectives/scheduled_sampling.py), `nat` trains the non-autoregressive model and
+`copy` the pointer-generator head. Each section is a frozen dataclass of checked
+fields (config_fields.py); `check_nat` and `check_copy` then check it against the
+model, data and train sections that `run_config.parse` has already built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import ml_collections
+
+from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config_fields import (
+    NON_NEGATIVE,
+    POSITIVE,
+    boolean,
+    field,
+    head_indices,
+    int_at_least,
+    is_int,
+    number,
+    one_of,
+    section,
+)
+from flaxformer_lite.objectives import scheduled_sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSamplingConfig:
+    """`scheduled_sampling` (optional section): see objectives/scheduled_sampling.py."""
+
+    mode: str = field("off", one_of(*scheduled_sampling.MODES))
+    schedule: str = field("linear", one_of(*scheduled_sampling.SCHEDULES))
+    k: float = field(1.0, number(0.0, low_open=True))
+    c: float = field(1e-4, number(0.0))
+    eps_min: float = field(0.0, number(0.0, 1.0, high_open=False))
+    warmup_steps: int = field(0, NON_NEGATIVE)
+    temperature: float = field(1.0, number(0.0, low_open=True))
+    gradient: str = field("last", one_of(*scheduled_sampling.GRADIENTS))
+    passes: int = field(2, int_at_least(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class NATConfig:
+    """`nat` (optional section): a run config with it trains the non-autoregressive model
+    (models/non_autoregressive.py); `iterations` and `length_beam` are evaluation's."""
+
+    length_mode: str = field("predict", one_of("predict", "fixed"))
+    length_classes: int = field(256, int_at_least(2))
+    length_loss_weight: float = field(0.1, number(0.0))
+    length_stop_gradient: bool = field(False, boolean)
+    decoder_inputs: str = field("mask", one_of("mask", "copy"))
+    masking: str = field("uniform", one_of("uniform", "all"))
+    iterations: int = field(10, POSITIVE)
+    length_beam: int = field(1, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyConfig:
+    """`copy` (optional section): a run config with it trains the pointer-generator head
+    (models/pointer_generator.py) on extended ids (data/extended_ids.py)."""
+
+    layer: int = field(-1, lambda flag, v: None if is_int(v) else f"{flag} must be an integer")
+    heads: tuple[int, ...] = field((), head_indices)
+
+
+def copy_of(config: ml_collections.ConfigDict | Mapping) -> CopyConfig | None:
+    """The `copy` section of a run config (or of a workdir's saved one); None: no copy head."""
+    if "copy" not in config or config["copy"] is None:
+        return None
+    return section(CopyConfig, "copy", config["copy"])
+
+
+def check_copy(copy, model, data, sampling, nat) -> None:
+    layers, heads = model.num_decoder_layers, model.num_heads
+    if not -layers <= copy.layer < layers:
+        raise ConfigError(
+            f"copy.layer={copy.layer} names no decoder layer: the model has {layers} "
+            f"(use 0..{layers - 1}, or -1 for the last)"
+        )
+    if any(h >= heads for h in copy.heads):
+        raise ConfigError(
+            f"copy.heads={tuple(copy.heads)} names a head the model lacks: it has {heads} "
+            f"(use indices 0..{heads - 1}, or () for all)"
+        )
+    if nat is not None:
+        raise ConfigError(
+            "the copy head extends the autoregressive decoder, but this run config also has a "
+            "nat section: drop one of them"
+        )
+    if model.input_features:
+        raise ConfigError(
+            "the copy head copies source tokens, but model.input_features reads features: "
+            "drop the copy section or use token inputs"
+        )
+    if not data.shared_vocab:
+        raise ConfigError(
+            "the copy head emits a source token by its id, which needs one vocabulary for both "
+            "sides: set --config.data.shared_vocab=True and --config.model.share_embeddings=True"
+        )
+    if data.batching == "pack":
+        raise ConfigError(
+            "data.batching='pack' puts several examples in a row, but extended ids are numbered "
+            "per example: use --config.data.batching=bucket or fixed with the copy head"
+        )
+    if sampling.mode != "off":
+        raise ConfigError(
+            f"scheduled_sampling.mode={sampling.mode!r} is not supported with the copy head "
+            "(its fed predictions would need extended ids): drop one of them"
+        )
+
+
+def nat_of(config: ml_collections.ConfigDict) -> NATConfig | None:
+    """The `nat` section of a run config (None: it trains the autoregressive model)."""
+    if "nat" not in config or config.nat is None:
+        return None
+    return section(NATConfig, "nat", config.nat)
+
+
+def check_nat(nat, model, data, train, sampling) -> None:
+    if sampling.mode != "off":
+        raise ConfigError(
+            f"scheduled_sampling.mode={sampling.mode!r} feeds an autoregressive decoder its "
+            "own predictions, but this run config has a nat section: drop one of them"
+        )
+    if data.batching == "pack":
+        raise ConfigError(
+            "data.batching='pack' puts several examples in a row, but the non-autoregressive "
+            "decoder reads one per row: use --config.data.batching=bucket or fixed"
+        )
+    if train.exposure_report:
+        raise ConfigError(
+            "train.exposure_report compares teacher forcing with autoregressive decoding, "
+            "which a nat run has not: set --config.train.exposure_report=False"
+        )
+    if nat.decoder_inputs == "copy" and model.input_features:
+        raise ConfigError(
+            "nat.decoder_inputs='copy' copies source token embeddings, but the encoder reads "
+            "features: use nat.decoder_inputs='mask'"
+        )
+    if nat.length_mode == "fixed" and nat.length_beam > 1:
+        raise ConfigError(
+            f"nat.length_beam={nat.length_beam} decodes several predicted lengths, but "
+            "nat.length_mode='fixed' has one: set length_beam=1 or length_mode='predict'"
+        )
+
+
+def scheduled_sampling_section(config: ml_collections.ConfigDict) -> ScheduledSamplingConfig:
+    values = config.scheduled_sampling if "scheduled_sampling" in config else {}
+    s = section(ScheduledSamplingConfig, "scheduled_sampling", values)
+    if s.schedule == "exponential" and not s.k < 1.0:
+        raise ConfigError(
+            f"scheduled_sampling.k={s.k} with the exponential schedule k**i never decays: "
+            "use 0 < k < 1, e.g. 0.999"
+        )
+    if s.schedule == "inverse_sigmoid" and s.k < 1.0:
+        raise ConfigError(
+            f"scheduled_sampling.k={s.k}: the inverse sigmoid k / (k + exp(i / k)) needs "
+            "k >= 1 (the step where eps is 0.5 grows with k), e.g. 500"
+        )
+    if s.gradient == "all" and s.mode in ("argmax", "sample"):
+        raise ConfigError(
+            f"scheduled_sampling.gradient='all' passes gradients through the fed predictions, "
+            f"but mode={s.mode!r} feeds discrete tokens, which have none: use mode='soft' or "
+            "gradient='last'"
+        )
+    return s
+
+
+def scheduled_sampling_of(
+    config: ml_collections.ConfigDict,
+) -> scheduled_sampling.ScheduledSampling:
+    """The model's scheduled-sampling settings of a run config (off when it has none)."""
+    settings = scheduled_sampling_section(config)
+    return scheduled_sampling.ScheduledSampling(**dataclasses.asdict(settings))
