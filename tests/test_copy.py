@@ -452,3 +452,41 @@ def test_a_copy_run_trains_and_decode_py_reads_its_extended_ids(copy_workdir, tm
     command.run(dataclasses.replace(options, score=True, attention_png=None, beam_size=4))
     scores = out.read_text(encoding="utf-8").splitlines()
     assert scores[1] == "" and all(float(s) < 0 for s in (scores[0], scores[2]))
+
+
+def test_the_loss_from_the_mixtures_inputs_equals_the_loss_of_the_full_mixture():
+    """Training's path (no [B, T, W] tensor) against the log-probabilities of every id:
+    losses, argmax and gradients, with repeated, extended and padded source ids."""
+    rng = np.random.default_rng(0)
+    b, t, s, v = 3, 5, 6, 11
+    logits = jnp.asarray(rng.normal(size=(b, t, v)) * 3, jnp.float32)
+    gate = jnp.asarray(rng.normal(size=(b, t)) * 2, jnp.float32)
+    attention = rng.random((b, t, s))
+    attention[:, :, -1] = 0.0  # a padded source position
+    attention = jnp.asarray(attention / attention.sum(-1, keepdims=True), jnp.float32)
+    ids = jnp.array([[5, v, 5, 7, v + 1, 0], [3, 4, 4, 4, v, 0], [6, 6, 6, 6, 6, 0]])
+    labels = jnp.array([[5, v, v + 1, 3, 0], [4, 4, v, 9, 3], [6, 1, 6, 3, 0]])
+
+    def full(lg, g, a, eps):
+        log_probs = pg.log_mixture(lg, g, a, ids, v + s)
+        return copy_loss.token_losses(log_probs, labels, eps, v), jnp.argmax(log_probs, -1)
+
+    def parts(lg, g, a, eps):
+        parts = {"logits": lg, "gate": g, "attention": a, "copy_ids": ids}
+        smoothed, nll, predicted = copy_loss.parts_token_losses(parts, labels, eps)
+        return (smoothed, nll), predicted
+
+    for eps in (0.0, 0.1):
+        (want, want_nll), want_best = full(logits, gate, attention, eps)
+        (got, got_nll), got_best = parts(logits, gate, attention, eps)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(got_nll, want_nll, atol=1e-5)
+        assert np.array_equal(np.asarray(got_best), np.asarray(want_best))
+        grads = [
+            jax.grad(lambda *x, f=f, e=eps: f(*x, e)[0][0].sum(), argnums=(0, 1, 2))(
+                logits, gate, attention
+            )
+            for f in (full, parts)
+        ]
+        for g_full, g_parts in zip(*grads):
+            np.testing.assert_allclose(g_parts, g_full, atol=1e-5)

@@ -100,11 +100,17 @@ class AutoregressiveModel(Seq2SeqModel):
         )
         return out[0] if copy_state else out
 
+    def _outputs(self, params, batch, decoder_inputs, **kw):
+        """What the loss reads: logits, or the copy mixture's inputs (its [B, T, W]
+        log-probabilities are never built in training, `objectives/pointer_generator.py`)."""
+        if self.copy is not None:
+            kw["parts"] = True
+        return self._forward(params, batch, decoder_inputs, **kw)
+
     def _metrics(self, outputs, targets, segments=None):
         if self.copy is None:
             return cross_entropy.metrics_sums(outputs, targets, self.label_smoothing, segments)
-        vocab = self.config.output_vocab_size
-        return copy_loss.metrics_sums(outputs, targets, self.label_smoothing, vocab, segments)
+        return copy_loss.parts_metrics_sums(outputs, targets, self.label_smoothing, segments)
 
     def init(self, rng: jax.Array, batch_shapes: dict[str, tuple[int, ...]]) -> Params:
         shape = batch_shapes["inputs"]  # (B, S) token ids or (B, S, F) features
@@ -124,7 +130,7 @@ class AutoregressiveModel(Seq2SeqModel):
         if self.scheduled_sampling.enabled:
             logits, extra = self._sampled_passes(params, batch, decoder_inputs, rng, step, packing)
         else:
-            logits = self._forward(params, batch, decoder_inputs, rng=rng, packing=packing)
+            logits = self._outputs(params, batch, decoder_inputs, rng=rng, packing=packing)
         sums = self._metrics(logits, batch["targets"], segments)
         return sums["loss"], {**sums, **extra}
 
@@ -176,8 +182,8 @@ class AutoregressiveModel(Seq2SeqModel):
         }
 
     def evaluate(self, params, batch):
-        logits = self._forward(params, batch, shift_right(batch["targets"], self.bos_id))
-        return self._metrics(logits, batch["targets"])
+        outputs = self._outputs(params, batch, shift_right(batch["targets"], self.bos_id))
+        return self._metrics(outputs, batch["targets"])
 
     def predict(self, params, batch, search: predict.SearchConfig, rng=None):
         return predict.decode(

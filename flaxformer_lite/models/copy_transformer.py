@@ -74,8 +74,10 @@ class CopyTransformer(nn.Module):
         )
         return {"encoded": encoded, "copy_ids": inputs.astype(jnp.int32)}
 
-    def _mixture(self, logits, feats, source) -> tuple[jax.Array, jax.Array]:
-        """(log P float32[B, T, W], gate logit float32[B, T]) from the decoder's outputs."""
+    def _parts(self, logits, feats, source) -> dict[str, jax.Array]:
+        """The mixture's inputs from the decoder's outputs: {"logits" float32[B, T, V],
+        "gate" float32[B, T] (the logit of p_gen), "attention" float32[B, T, S],
+        "copy_ids" int[B, S]}."""
         weights = captured_attention(
             self.variables["intermediates"], (self.copy_name,), self.config
         )[self.copy_name]  # [B, N, T, S]
@@ -83,9 +85,21 @@ class CopyTransformer(nn.Module):
         encoded = source["encoded"].astype(jnp.float32)
         context = jnp.einsum("bts,bsd->btd", attention, encoded)
         gate = self.copy_gate(feats["hidden"], feats["embedded"], context)
-        copy_ids = source["copy_ids"]
-        size = self.config.output_vocab_size + copy_ids.shape[1]
-        return pg.log_mixture(logits, gate, attention, copy_ids, size), gate
+        return {
+            "logits": logits,
+            "gate": gate,
+            "attention": attention,
+            "copy_ids": source["copy_ids"],
+        }
+
+    def _mixture(self, logits, feats, source) -> tuple[jax.Array, jax.Array]:
+        """(log P float32[B, T, W], gate logit float32[B, T]) from the decoder's outputs."""
+        parts = self._parts(logits, feats, source)
+        size = self.config.output_vocab_size + parts["copy_ids"].shape[1]
+        log_probs = pg.log_mixture(
+            parts["logits"], parts["gate"], parts["attention"], parts["copy_ids"], size
+        )
+        return log_probs, parts["gate"]
 
     def decode(
         self,
@@ -96,9 +110,12 @@ class CopyTransformer(nn.Module):
         deterministic: bool = True,
         packing: dict[str, jax.Array] | None = None,
         return_gate: bool = False,
+        parts: bool = False,
     ):
         """Teacher-forced log P float32[B, T, W] for decoder inputs int[B, T] (BOS + prefix,
-        extended ids allowed); with `return_gate` also p_gen float32[B, T]."""
+        extended ids allowed); with `return_gate` also p_gen float32[B, T]; with `parts`
+        instead the mixture's inputs (`_parts`), from which the training loss is computed
+        without the [B, T, W] tensor (`objectives/pointer_generator.py`)."""
         self_mask, cross, positions = decoder_masks(source_valid, decoder_inputs, packing)
         logits, feats = self.decoder(
             source["encoded"],
@@ -109,6 +126,8 @@ class CopyTransformer(nn.Module):
             positions=positions,
             features=True,
         )
+        if parts:
+            return self._parts(logits, feats, source)
         log_probs, gate = self._mixture(logits, feats, source)
         return (log_probs, jax.nn.sigmoid(gate)) if return_gate else log_probs
 
@@ -134,12 +153,14 @@ class CopyTransformer(nn.Module):
         deterministic: bool = True,
         packing: dict[str, jax.Array] | None = None,
         replacements=None,
-    ) -> jax.Array:
-        """Teacher-forced pass: int[B, S], int[B, T] -> log P float32[B, T, W]."""
+        parts: bool = False,
+    ) -> jax.Array | dict[str, jax.Array]:
+        """Teacher-forced pass: int[B, S], int[B, T] -> log P float32[B, T, W] (with `parts`
+        the mixture's inputs, as `decode`)."""
         if replacements is not None:
             raise ValueError("the copy head does not run scheduled sampling")
         valid = token_validity(inputs) if source_valid is None else source_valid
         source = self.encode(inputs, valid, deterministic=deterministic, packing=packing)
         return self.decode(
-            source, valid, decoder_inputs, deterministic=deterministic, packing=packing
+            source, valid, decoder_inputs, deterministic=deterministic, packing=packing, parts=parts
         )

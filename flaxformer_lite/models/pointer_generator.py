@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
-
-IMPOSSIBLE = -1.0e30  # log-probability of an id that has neither vocabulary nor copy mass
+from flaxformer_lite.constants import IMPOSSIBLE
 
 
 @dataclasses.dataclass(frozen=True)
