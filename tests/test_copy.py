@@ -490,3 +490,24 @@ def test_the_loss_from_the_mixtures_inputs_equals_the_loss_of_the_full_mixture()
         ]
         for g_full, g_parts in zip(*grads):
             np.testing.assert_allclose(g_parts, g_full, atol=1e-5)
+
+
+def test_evaluation_decodes_each_row_with_its_own_examples_unknown_pieces(tokenizer):
+    from flaxformer_lite.data.batching import eval_batches
+    from flaxformer_lite.training.evaluate import row_detokenizer
+
+    split = [
+        {"source": f"i am {name}".encode(), "target": f"hello {name}".encode()}
+        for name in ("Žofia", "bob", "Kłos", "Øyvind")
+    ]
+    batches = eval_batches(
+        split, tokenizer, batch_size=3, max_source_len=16, max_target_len=16, extended=True
+    )
+    detokenize = row_detokenizer(batches, tokenizer)
+    texts: list[str] = []
+    for i in range(len(batches)):
+        batch = batches[i]
+        texts.extend(detokenize(batch["targets"][batch["valid"]], len(texts)))
+    assert texts == ["hello Žofia", "hello bob", "hello Kłos", "hello Øyvind"]
+    plain = eval_batches(split, tokenizer, batch_size=3, max_source_len=16, max_target_len=16)
+    assert "\u2047" in row_detokenizer(plain, tokenizer)(plain[0]["targets"][:1], 0)[0]
