@@ -2,6 +2,8 @@
 
 import dataclasses
 import functools
+import json
+import os
 
 import flax.linen as nn
 import jax
@@ -445,9 +447,12 @@ def nat_workdir(tfds_dir, tmp_path_factory):
 
 
 def test_nat_run_trains_and_evaluates(nat_workdir):
-    _, results = nat_workdir
+    path, results = nat_workdir
     assert 0 <= results["test_length_accuracy"] <= 1
     assert "test_exact_match" in results and np.isfinite(results["test_loss"])
+    with open(os.path.join(path, "metrics.jsonl"), encoding="utf-8") as f:
+        train = [r for r in map(json.loads, f) if r.get("split") == "train"]
+    assert len(train) >= 2 and train[-1]["loss"] < train[0]["loss"]  # it learns
 
 
 def test_decode_cli_options_on_a_nat_workdir(nat_workdir, tmp_path, monkeypatch):
