@@ -11,7 +11,7 @@ from flaxformer_lite import datasets, run_config
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.data import batching, names
 from flaxformer_lite.data.tokenizer import UNK_ID, Tokenizer
-from flaxformer_lite.evaluation.copy_spans import copy_scores
+from flaxformer_lite.evaluation.copy_spans import copy_scores, verbatim_copies, words
 
 SIZES = dict(num_train=3000, num_valid=200, num_test=300)
 
@@ -187,3 +187,58 @@ def test_copy_scores_without_unseen_examples_and_bad_input():
         copy_scores(SOURCES[:3], REFERENCES, REFERENCES)
     with pytest.raises(ValueError, match="does not repeat"):
         copy_scores(["call me Anna"], ["x"], ["hello you"])
+
+
+def test_words_strip_punctuation_at_the_ends_only():
+    assert words("„Boston-Terrier“, 3. ... ( x") == {"Boston-Terrier", "3", "x"}
+    assert words("U.S.A. and 3,5") == {"U.S.A", "and", "3,5"}
+    assert words("") == set() and words(" - , ") == set()
+
+
+EN = [
+    "A Boston Terrier is running on the grass.",
+    "Two men play in the 2012 Olympics.",
+    "A dog runs.",
+]
+DE = [
+    "Ein Boston Terrier läuft über das Gras.",
+    "Zwei Männer spielen bei den Olympics 2012.",
+    "Ein Hund rennt.",
+]
+
+
+def test_verbatim_copies_counts_shared_words_and_their_repeats():
+    # Copyable: {Boston, Terrier} and {2012, Olympics}; the third pair shares nothing.
+    right = verbatim_copies(EN, DE, DE)
+    assert right == {
+        "copyable": 4,
+        "reproduced": 4,
+        "share": 1.0,
+        "name_copyable": 4,
+        "name_reproduced": 4,
+        "name_share": 1.0,
+        "examples": 3,
+    }
+    hypotheses = [
+        "Ein Boston-Terrier läuft , Terrier !",  # "Boston-Terrier" is not "Boston"
+        "Zwei Männer spielen bei den olympics 2012",  # case counts: "olympics" misses
+        "Boston Terrier",  # not copyable here: words of other examples do not count
+    ]
+    scores = verbatim_copies(EN, hypotheses, DE)
+    assert (scores["copyable"], scores["reproduced"]) == (4, 2)
+    assert scores["share"] == 0.5 and scores["name_share"] == 0.5
+
+
+def test_verbatim_copies_lowercase_words_count_only_in_the_full_share():
+    scores = verbatim_copies(["the man in Berlin"], ["in Berlin"], ["der Mann in Berlin"])
+    assert (scores["copyable"], scores["reproduced"]) == (2, 2)  # "in" and "Berlin"
+    assert (scores["name_copyable"], scores["name_reproduced"]) == (1, 1)
+    none = verbatim_copies(["a dog"], ["ein Hund"], ["ein Hund"])
+    assert none["copyable"] == 0 and math.isnan(none["share"]) and math.isnan(none["name_share"])
+
+
+def test_verbatim_copies_missing_words_and_bad_input():
+    scores = verbatim_copies(EN[:1], ["Ein Hund läuft über das Gras."], DE[:1])
+    assert scores["reproduced"] == 0 and scores["share"] == 0.0  # both names dropped
+    with pytest.raises(ValueError, match="2 sources, 3 hypotheses"):
+        verbatim_copies(EN[:2], DE, DE)

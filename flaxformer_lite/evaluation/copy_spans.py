@@ -11,11 +11,16 @@ shares of the examples, plus how many were scored:
                        when there are none;
   examples, unseen_examples
 
+:func:`verbatim_copies` scores any translation the same way, without spans: of the source
+words that the reference repeats verbatim (names, numbers, brand words), the share that the
+hypothesis repeats too.
+
 Pure Python: decode first, score the strings here.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 from flaxformer_lite.data.names import UNSEEN_CHARS, copied_span, has_tokens
@@ -23,6 +28,78 @@ from flaxformer_lite.data.names import UNSEEN_CHARS, copied_span, has_tokens
 
 def _share(flags: list[bool]) -> float:
     return sum(flags) / len(flags) if flags else float("nan")
+
+
+def _check_lengths(sources: Sequence[str], hypotheses: Sequence[str], references: Sequence[str]):
+    if not len(sources) == len(hypotheses) == len(references):
+        raise ValueError(
+            f"{len(sources)} sources, {len(hypotheses)} hypotheses and {len(references)} "
+            "references: score one hypothesis and one reference per source"
+        )
+
+
+def _is_punctuation(char: str) -> bool:
+    return unicodedata.category(char).startswith("P")
+
+
+def words(text: str) -> set[str]:
+    """The distinct words of ``text``: whitespace-separated tokens with leading and trailing
+    Unicode punctuation (categories P*) stripped, case kept; tokens that are all punctuation
+    are dropped. ``"„Boston-Terrier“, 3."`` -> ``{"Boston-Terrier", "3"}``."""
+    out = set()
+    for token in text.split():
+        start, end = 0, len(token)
+        while start < end and _is_punctuation(token[start]):
+            start += 1
+        while end > start and _is_punctuation(token[end - 1]):
+            end -= 1
+        if start < end:
+            out.add(token[start:end])
+    return out
+
+
+def is_name_like(word: str) -> bool:
+    """Whether a word starts with an uppercase letter or a digit (names, numbers, brands)."""
+    return word[:1].isupper() or word[:1].isdigit()
+
+
+def verbatim_copies(
+    sources: Sequence[str], hypotheses: Sequence[str], references: Sequence[str]
+) -> dict[str, float]:
+    """How many of the source words that the reference repeats the hypothesis repeats too.
+
+    Per example, the distinct :func:`words` of the source that are also words of the
+    reference are *copyable*; a copyable word is *reproduced* when it is also a word of the
+    hypothesis (exact, case-sensitive comparison). Summed over the examples:
+
+      copyable, reproduced, share          all such words (share = reproduced / copyable,
+                                           NaN when nothing is copyable);
+      name_copyable, name_reproduced,      the same restricted to :func:`is_name_like` words,
+      name_share                           since shared lowercase words are often
+                                           coincidences (en "die" / de "die");
+      examples
+
+    Raises:
+        ValueError: the three sequences differ in length.
+    """
+    _check_lengths(sources, hypotheses, references)
+    copyable = reproduced = name_copyable = name_reproduced = 0
+    for source, hypothesis, reference in zip(sources, hypotheses, references):
+        shared = words(source) & words(reference)
+        repeated = shared & words(hypothesis)
+        copyable += len(shared)
+        reproduced += len(repeated)
+        name_copyable += sum(map(is_name_like, shared))
+        name_reproduced += sum(map(is_name_like, repeated))
+    return {
+        "copyable": copyable,
+        "reproduced": reproduced,
+        "share": reproduced / copyable if copyable else float("nan"),
+        "name_copyable": name_copyable,
+        "name_reproduced": name_reproduced,
+        "name_share": name_reproduced / name_copyable if name_copyable else float("nan"),
+        "examples": len(sources),
+    }
 
 
 def copy_scores(
@@ -38,11 +115,7 @@ def copy_scores(
         ValueError: the three sequences differ in length, or a reference does not repeat a
             span of its source.
     """
-    if not len(sources) == len(hypotheses) == len(references):
-        raise ValueError(
-            f"{len(sources)} sources, {len(hypotheses)} hypotheses and {len(references)} "
-            "references: score one hypothesis and one reference per source"
-        )
+    _check_lengths(sources, hypotheses, references)
     unseen_chars = frozenset(unseen_chars)
     spans, exact, unseen = [], [], []
     for source, hypothesis, reference in zip(sources, hypotheses, references):
