@@ -174,6 +174,7 @@ VARIANTS = {
     "wmt14_ende_big": "wmt14_ende_base at another size, which SHRINK trains at the same size",
     "tiny": "default shrunk; most of the suite trains it in-process",
     "copy": "default with a copy section (tests/test_copy.py trains one)",
+    "numbers_long": "default with other data.max_number and data.num_numbers",
     "names_copy": "names with a copy section",
     "multi30k_ende_copy": "multi30k_ende with a copy section",
 }
