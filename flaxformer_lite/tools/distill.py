@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from flaxformer_lite.data import common
 from flaxformer_lite.files import atomic_write
 from flaxformer_lite.models.from_config import has_copy_head
 from flaxformer_lite.translate import files, reports, runner
@@ -274,7 +275,6 @@ def run(
         change.
     """
     from flaxformer_lite import datasets
-    from flaxformer_lite.data import common
     from flaxformer_lite.training import restore
     from flaxformer_lite.translate import command
 
@@ -308,27 +308,12 @@ def run(
     log(reports.summary(distilled.result))
 
     src, tgt = languages(data)
-    corpus = {f"train.{src}": sources, f"train.{tgt}": distilled.targets}
-    split_lines = {"train": len(sources)}
-    for split in ("validation", "test"):
-        if split not in splits or not len(splits[split]):
-            if split == "validation":
-                log("warning: the run has no validation examples; train.py needs a val split")
-            continue
-        name = SPLIT_FILES[split]
-        corpus[f"{name}.{src}"] = common.texts(splits[split], common.SOURCE_FIELD)
-        corpus[f"{name}.{tgt}"] = common.texts(splits[split], common.TARGET_FIELD)
-        split_lines[name] = len(corpus[f"{name}.{src}"])
+    held_out, held_out_lines = _held_out_files(splits, (src, tgt), log)
+    corpus = {f"train.{src}": sources, f"train.{tgt}": distilled.targets, **held_out}
+    split_lines = {"train": len(sources), **held_out_lines}
     names = {ours: theirs for ours, theirs in SPLIT_FILES.items() if theirs in split_lines}
     flags = train_flags(o.output_dir, (src, tgt), names)
-
-    num_changed = sum(t != one_line(g) for t, g in zip(distilled.targets, gold))
-    num_empty = sum(not t for s, t in zip(sources, distilled.targets) if s.strip())
-    if num_empty:
-        log(
-            f"warning: {num_empty} training source(s) were translated to an empty line; "
-            "parallel_text skips pairs with an empty side"
-        )
+    num_changed, num_empty = _changed_and_empty(sources, distilled.targets, gold, log)
     manifest = {
         "workdir": os.path.abspath(o.workdir),
         "step": step,
@@ -350,6 +335,37 @@ def run(
     write_corpus(o.output_dir, corpus, manifest)
     log(summary(manifest, o.output_dir))
     return manifest
+
+
+def _held_out_files(splits, langs: tuple[str, str], log: Log):
+    """The validation and test files of the corpus, gold as in the run, and their line
+    counts: ({file name: lines}, {split file name: line count})."""
+    src, tgt = langs
+    corpus: dict[str, list[str]] = {}
+    split_lines: dict[str, int] = {}
+    for split in ("validation", "test"):
+        if split not in splits or not len(splits[split]):
+            if split == "validation":
+                log("warning: the run has no validation examples; train.py needs a val split")
+            continue
+        name = SPLIT_FILES[split]
+        corpus[f"{name}.{src}"] = common.texts(splits[split], common.SOURCE_FIELD)
+        corpus[f"{name}.{tgt}"] = common.texts(splits[split], common.TARGET_FIELD)
+        split_lines[name] = len(corpus[f"{name}.{src}"])
+    return corpus, split_lines
+
+
+def _changed_and_empty(sources, targets, gold, log: Log) -> tuple[int, int]:
+    """How many distilled targets differ from the gold ones, and how many non-blank sources
+    were translated to an empty line (warned: parallel_text skips such pairs)."""
+    num_changed = sum(t != one_line(g) for t, g in zip(targets, gold))
+    num_empty = sum(not t for s, t in zip(sources, targets) if s.strip())
+    if num_empty:
+        log(
+            f"warning: {num_empty} training source(s) were translated to an empty line; "
+            "parallel_text skips pairs with an empty side"
+        )
+    return num_changed, num_empty
 
 
 def summary(manifest: Mapping, output_dir: str) -> str:
