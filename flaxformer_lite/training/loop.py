@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -32,15 +31,15 @@ from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.models.from_config import build_model, has_copy_head, search_from_config
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
-from flaxformer_lite.training import checkpoints, optim, restore, train_data
+from flaxformer_lite.training import checkpoints, optim, train_data
 from flaxformer_lite.training import evaluate as evaluate_lib
 from flaxformer_lite.training import step as step_lib
 from flaxformer_lite.training.early_stopping import EarlyStopping
+from flaxformer_lite.training.load_state import restore_trained, saved_param_shapes
 from flaxformer_lite.training.metric_writer import MetricWriter
 from flaxformer_lite.training.nonfinite import NonFiniteGuard
 from flaxformer_lite.training.preemption import Preempted, StopSignals
 from flaxformer_lite.training.state import (
-    ParamShapes,
     TrainState,
     abstract_state,
     create_state,
@@ -49,72 +48,16 @@ from flaxformer_lite.training.state import (
 
 Log = Callable[[str], None]
 
-
-def optimizer_from_config(config: ml_collections.ConfigDict, model_cfg):
-    """(schedule, optimiser) of a run config."""
-    o = config.optim
-    schedule = optim.make_schedule(
-        o.schedule,
-        d_model=model_cfg.d_model,
-        warmup_steps=o.warmup_steps,
-        learning_rate=o.learning_rate,
-        total_steps=config.train.num_steps,
-    )
-    tx = optim.make_optimizer(
-        schedule,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        grad_clip_norm=o.grad_clip_norm,
-    )
-    return schedule, tx
-
-
-def restore_trained(workdir: str, step: int | None = None, average: int = 1):
-    """Loads a training workdir whole: (model, train state, vocabularies, run config dict).
-
-    For resuming and for tests that compare states; decoding reads parameters
-    only (`restore.restore_params`).
-
-    Args:
-      step: the checkpoint to load (default: the latest).
-      average: > 1: the state of `step` with its parameters replaced by the
-        mean parameters of the last `average` checkpoints up to `step`.
-    Raises:
-      WorkdirError: not a training workdir.
-      FileNotFoundError: it has no (complete) checkpoint, or fewer than `average`.
-    """
-    saved = checkpoints.load_run_config(workdir)
-    config = ml_collections.ConfigDict(saved)
-    model_cfg = run_config_lib.model_config(config)
-    model = build_model(config, model_cfg)
-    _, tx = optimizer_from_config(config, model_cfg)
-    tokenizer = tokenizer_lib.Vocabularies.load(workdir)
-    mesh = partitioning.make_mesh()
-    d = config.data
-    abstract = abstract_state(model, tx, config.train.seed, d.max_source_len, d.max_target_len)
-    shardings = partitioning.logical_shardings(abstract, mesh)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        nn.meta.unbox(abstract),
-        shardings,
-    )
-    ckpt = checkpoints.Checkpointer(workdir, keep=1 << 30, save_every=0)
-    try:
-        state, _ = ckpt.restore(target, step)
-    finally:
-        ckpt.close()
-    if average > 1:
-        params, _ = restore.restore_params(workdir, int(state.step), average)
-        state = state.replace(params=params)
-    return model, state, tokenizer, saved
-
-
-def saved_param_shapes(saved: dict) -> ParamShapes:
-    """`state.param_shapes` of the model of a run config as a workdir saved it."""
-    config = ml_collections.ConfigDict(saved)
-    return param_shapes(build_model(config, run_config_lib.model_config(config)))
+# Loading a workdir whole and the optimiser of a run config live in their own modules; they
+# are importable from here as before.
+optimizer_from_config = optim.from_config
+__all__ = [
+    "abstract_state",
+    "optimizer_from_config",
+    "restore_trained",
+    "saved_param_shapes",
+    "train_and_evaluate",
+]
 
 
 def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):

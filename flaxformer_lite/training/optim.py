@@ -70,3 +70,24 @@ def make_optimizer(
     else:
         parts.append(optax.adam(schedule, b1=b1, b2=b2, eps=eps))
     return optax.chain(*parts)
+
+
+def from_config(config, model_cfg):
+    """(schedule, optimiser) of a run config."""
+    o = config.optim
+    schedule = make_schedule(
+        o.schedule,
+        d_model=model_cfg.d_model,
+        warmup_steps=o.warmup_steps,
+        learning_rate=o.learning_rate,
+        total_steps=config.train.num_steps,
+    )
+    tx = make_optimizer(
+        schedule,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        grad_clip_norm=o.grad_clip_norm,
+    )
+    return schedule, tx
