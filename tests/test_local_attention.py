@@ -55,7 +55,8 @@ def test_blocked_equals_dense_band_reference(causal, length, window, packed):
     ref_out, ref_weights, mask = _dense_reference(q, k, v, valid, segments, window, causal)
     rows = np.asarray(mask.any(-1))  # queries with a visible key (the others are never read)
     np.testing.assert_allclose(
-        np.where(rows[:, :, None, None], out, 0), np.where(rows[:, :, None, None], ref_out, 0),
+        np.where(rows[:, :, None, None], out, 0),
+        np.where(rows[:, :, None, None], ref_out, 0),
         atol=1e-6,
     )
     dense = local_attention.to_dense(weights, length, window, causal)  # [B, N, n, n]
@@ -129,7 +130,8 @@ def test_window_zero_is_the_dense_program(params):
             encoded, targets, dec_mask, masks.padding_mask(valid, T), deterministic=True
         )
 
-    hand = jax.jit(lambda p: Transformer(FULL).apply({"params": p}, inputs, targets, method=by_hand))
+    model = Transformer(FULL)
+    hand = jax.jit(lambda p: model.apply({"params": p}, inputs, targets, method=by_hand))
     explicit = FULL.replace(encoder_window=0, decoder_window=0)
     np.testing.assert_array_equal(_logits(explicit, params, inputs, targets), hand(params))
 
@@ -268,7 +270,8 @@ def test_attention_dropout_on_blocked_weights(params):
     cfg = FULL.replace(encoder_window=2, decoder_window=2, attention_dropout_rate=0.3)
     model = Transformer(cfg)
     det = model.apply({"params": params}, inputs, targets)
-    fast = Transformer(cfg.replace(attention_impl="fast")).apply({"params": params}, inputs, targets)
+    fast_model = Transformer(cfg.replace(attention_impl="fast"))
+    fast = fast_model.apply({"params": params}, inputs, targets)
     np.testing.assert_allclose(det, fast, atol=2e-5)
     dropped = model.apply(
         {"params": params},

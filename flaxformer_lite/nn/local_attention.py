@@ -142,7 +142,8 @@ def local_attention(
     Args:
       q, k, v: [B, n, N, H] (self-attention: one length n).
       valid: bool[B, n] key validity; segments: int[B, n] or None.
-      window: r >= 1 (the block size C = min(r, n)); causal: decoder band (i - r <= j <= i) instead of |i - j| <= r.
+      window: r >= 1 (the block size C = min(r, n)).
+      causal: the decoder's band i - r <= j <= i instead of |i - j| <= r.
     Returns:
       (out [B, n, N, H], weights float32[B, N, K, C, W]).
     """
