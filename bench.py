@@ -7,6 +7,8 @@ python bench.py --mode sweep             # step time vs batch and length; 1/2/4/
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
 python bench.py --mode train --config configs/default.py --scheduled_sampling argmax
+python bench.py --length_sweep 256,512,1024,2048,4096,8192,16384 --window 64
+                                         # encoder step time, memory vs length: full vs local
 """
 
 import os
@@ -62,6 +64,21 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_integer(
     "torch_threads", 0, "With --compare: torch's intra-op threads; 0 = every core (os.cpu_count())."
+)
+flags.DEFINE_list(
+    "length_sweep",
+    [],
+    "Instead of the modes: time and measure the encoder (float features, batch --batch_sweep) "
+    "forward+backward at these lengths, full vs local self-attention with --window, e.g. "
+    "256,512,1024. Model: d_model 256, 4 heads, 2 layers unless the size flags are given.",
+)
+flags.DEFINE_integer("window", 64, "--length_sweep: the local attention window r.", lower_bound=1)
+flags.DEFINE_integer("input_features", 80, "--length_sweep: features per frame.", lower_bound=1)
+flags.DEFINE_integer("batch_sweep", 1, "--length_sweep: sequences per batch.", lower_bound=1)
+flags.DEFINE_float(
+    "max_run_mib",
+    4096.0,
+    "--length_sweep: run (time) a program only when XLA's memory estimate is under this.",
 )
 config_flags.DEFINE_config_file(
     "config",

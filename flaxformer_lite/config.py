@@ -62,6 +62,8 @@ class TransformerConfig:
     norm: str = "post"  # "post": LayerNorm(x + Sublayer(x)) as in §3.1; "pre": x + Sublayer(LN(x))
     activation: str = "relu"  # feed-forward non-linearity: "relu" (§3.3) | "gelu"
     attention_impl: str = "vmap"  # "vmap": per-example/per-head core; "fast": jax.nn kernel
+    encoder_window: int = 0  # > 0: encoder query i attends keys |i - j| <= r, O(n r); 0 = full
+    decoder_window: int = 0  # > 0: decoder query i attends i - r <= j <= i, O(n r); 0 = full
     layer_norm_epsilon: float = 1e-6
     dtype: Any = jnp.float32  # compute dtype; softmax and loss always run in float32
     param_dtype: Any = jnp.float32  # storage dtype of parameters
@@ -86,6 +88,12 @@ class TransformerConfig:
                 f"model.input_features must be 0 (token ids) or a feature size, "
                 f"got {self.input_features!r}"
             )
+        for name in ("encoder_window", "decoder_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(
+                    f"model.{name} must be 0 (full attention) or a window r >= 1, got {value!r}"
+                )
         if self.target_vocab_size is not None and self.target_vocab_size < 1:
             raise ConfigError(
                 f"model.target_vocab_size must be a positive integer or None, "

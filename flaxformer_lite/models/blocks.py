@@ -34,7 +34,7 @@ class EncoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array, *, deterministic: bool) -> jax.Array:
-        """x: [B, S, D]; mask: bool[B, S, S]. Returns [B, S, D]."""
+        """x: [B, S, D]; mask: bool[B, S, S] or a `masks.LocalMask`. Returns [B, S, D]."""
         cfg = self.config
         attn = attention.MultiHeadAttention(
             cfg, self_attention=True, capture=self.capture_self, name="self_attention"
@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
         Args:
           y: [B, T, D] decoder activations.
           encoded: [B, S, D] encoder output (unused when `cross_kv` is given).
-          self_mask: bool[B, T, T], or bool[B, T, L] with a cache.
+          self_mask: bool[B, T, T] (or a `masks.LocalMask`), or bool[B, T, L] with a cache.
           cross_mask: bool[B, T, S].
           cache: this layer's {"k", "v", "index"} (layout in `models/transformer.py`).
           cross_kv: this layer's precomputed cross-attention (k, v).

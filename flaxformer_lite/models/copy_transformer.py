@@ -68,7 +68,7 @@ class CopyTransformer(nn.Module):
         valid = token_validity(inputs) if source_valid is None else source_valid
         segments = None if packing is None else packing["inputs_segments"]
         positions = None if packing is None else packing["inputs_positions"]
-        mask = masks.encoder_mask(valid, segments)
+        mask = masks.encoder_mask(valid, segments, self.config.encoder_window)
         encoded = self.encoder(
             self._embeddable(inputs), mask, deterministic=deterministic, positions=positions
         )
@@ -116,7 +116,9 @@ class CopyTransformer(nn.Module):
         extended ids allowed); with `return_gate` also p_gen float32[B, T]; with `parts`
         instead the mixture's inputs (`_parts`), from which the training loss is computed
         without the [B, T, W] tensor (`objectives/pointer_generator.py`)."""
-        self_mask, cross, positions = decoder_masks(source_valid, decoder_inputs, packing)
+        self_mask, cross, positions = decoder_masks(
+            source_valid, decoder_inputs, packing, self.config.decoder_window
+        )
         logits, feats = self.decoder(
             source["encoded"],
             self._embeddable(decoder_inputs),

@@ -77,7 +77,7 @@ class NATransformer(nn.Module):
         self, inputs: jax.Array, source_valid: jax.Array, *, deterministic: bool = True
     ) -> jax.Array:
         """int[B, S] (or float[B, S, F]) -> [B, S, D]."""
-        mask = masks.encoder_mask(source_valid)
+        mask = masks.encoder_mask(source_valid, window=self.config.encoder_window)
         return self.encoder(inputs, mask, deterministic=deterministic)
 
     def length_logits(self, encoded: jax.Array, source_valid: jax.Array) -> jax.Array:

@@ -71,7 +71,8 @@ class Encoder(nn.Module):
         """Encodes int[B, S] token ids or float[B, S, F] features -> [B, S, D].
 
         Args:
-          mask: bool[B, S, S] (`masks.encoder_mask`).
+          mask: bool[B, S, S] or, with `config.encoder_window`, a `masks.LocalMask`
+            (`masks.encoder_mask`).
           positions: int[B, S], restarting at 0 for each packed example (None: 0..S-1).
         """
         cfg = self.config
@@ -170,7 +171,8 @@ class Decoder(nn.Module):
         Args:
           encoded: [B, S, D] encoder output.
           decoder_inputs: int[B, T] BOS + target prefix.
-          self_mask: bool[B, T, T] (`masks.decoder_mask`); cross_mask: bool[B, T, S].
+          self_mask: bool[B, T, T] or, with `config.decoder_window`, a `masks.LocalMask`
+            (`masks.decoder_mask`); cross_mask: bool[B, T, S].
           positions: int[B, T] restarting at 0 per packed example (None: 0..T-1).
           replacements: scheduled sampling's (use bool[B, T], new): where `use`, the
             input embedding is that of `new`, tokens int[B, T] or embedding weights
@@ -240,7 +242,8 @@ class Decoder(nn.Module):
         index = cache["index"]
         batch, length = tokens.shape
         positions = index + jnp.arange(length)  # [T]
-        self_mask = masks.cache_mask(positions, cache["layers"][0]["k"].shape[1], batch)
+        cache_len = cache["layers"][0]["k"].shape[1]
+        self_mask = masks.cache_mask(positions, cache_len, batch, self.config.decoder_window)
         cross_mask = masks.cross_mask(source_valid, length)  # [B, T, S]
         embedded = self.embed(tokens)
         y = self.positions(embedded, positions[None, :])
@@ -298,16 +301,20 @@ def token_validity(tokens: jax.Array) -> jax.Array:
 
 
 def decoder_masks(
-    source_valid: jax.Array, decoder_inputs: jax.Array, packing: dict[str, jax.Array] | None
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """A teacher-forced decoder pass's (self mask bool[B, T, T], cross mask bool[B, T, S],
-    positions int[B, T] or None), from the source validity bool[B, S] and the gold decoder
-    inputs int[B, T]; packed rows mask by segment."""
+    source_valid: jax.Array,
+    decoder_inputs: jax.Array,
+    packing: dict[str, jax.Array] | None,
+    window: int = 0,
+) -> tuple[jax.Array | masks.LocalMask, jax.Array, jax.Array | None]:
+    """A teacher-forced decoder pass's (self mask bool[B, T, T] or with a `window` a
+    `masks.LocalMask`, cross mask bool[B, T, S], positions int[B, T] or None), from the
+    source validity bool[B, S] and the gold decoder inputs int[B, T]; packed rows mask by
+    segment."""
     tseg = sseg = positions = None
     if packing is not None:
         tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
         positions = packing["targets_positions"]
-    self_mask = masks.decoder_mask(token_validity(decoder_inputs), tseg)
+    self_mask = masks.decoder_mask(token_validity(decoder_inputs), tseg, window)
     cross = masks.cross_mask(source_valid, decoder_inputs.shape[1], tseg, sseg)
     return self_mask, cross, positions
 
@@ -349,7 +356,7 @@ class Transformer(nn.Module):
         valid = self._source_valid(inputs, source_valid)
         segments = None if packing is None else packing["inputs_segments"]
         positions = None if packing is None else packing["inputs_positions"]
-        mask = masks.encoder_mask(valid, segments)
+        mask = masks.encoder_mask(valid, segments, self.config.encoder_window)
         return self.encoder(inputs, mask, deterministic=deterministic, positions=positions)
 
     def decode(
@@ -367,7 +374,9 @@ class Transformer(nn.Module):
         `replacements`: scheduled sampling's, as in `Decoder.__call__`; the masks
         come from the gold `decoder_inputs`.
         """
-        self_mask, cross, positions = decoder_masks(source_valid, decoder_inputs, packing)
+        self_mask, cross, positions = decoder_masks(
+            source_valid, decoder_inputs, packing, self.config.decoder_window
+        )
         return self.decoder(
             encoded,
             decoder_inputs,
@@ -415,6 +424,8 @@ class Transformer(nn.Module):
             token_validity(decoder_inputs),
             p.get("inputs_segments"),
             p.get("targets_segments"),
+            self.config.encoder_window,
+            self.config.decoder_window,
         )
         encoded = self.encoder(
             inputs, m.encoder, deterministic=deterministic, positions=p.get("inputs_positions")

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.nn import local_attention
 from flaxformer_lite.nn.dropout import Dropout
 from flaxformer_lite.nn.layers import project
+from flaxformer_lite.nn.masks import LocalMask
 
 # ----------------------------------------------------------------------------
 # The core, for one example and one head.
@@ -186,7 +188,10 @@ class MultiHeadAttention(nn.Module):
 
         Args:
           inputs_q: [batch, q_len, d_model].
-          mask: bool[batch, q_len, kv_len] (kv_len = cache length with a cache).
+          mask: bool[batch, q_len, kv_len] (kv_len = cache length with a cache), or
+            for windowed self-attention without a cache a `masks.LocalMask`: then both
+            impls run the blocked O(n * r) kernel (`local_attention.py`), and `capture`
+            scatters its weights into the dense [batch, heads, q_len, q_len] layout.
           deterministic: disables attention dropout.
           inputs_kv: cross-attention only: [batch, kv_len, d_model] encoder output
             (unused when `cross_kv` is given).
@@ -202,7 +207,9 @@ class MultiHeadAttention(nn.Module):
         q, k, v, new_cache = self._qkv(inputs_q.astype(dt), inputs_kv, cross_kv, cache)
         capture = self.capture and self.is_mutable_collection("intermediates")
         dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
-        if cfg.attention_impl == "fast" and not dropout:
+        if isinstance(mask, LocalMask):
+            out = self._local(q, k, v, mask, capture, dropout)
+        elif cfg.attention_impl == "fast" and not dropout:
             out = fast_attention(q, k, v, mask)  # [B, T, N, H]
             if capture:
                 self.sow("intermediates", "attention_weights", attention_weights(q, k, mask))
@@ -215,6 +222,19 @@ class MultiHeadAttention(nn.Module):
                 out = jnp.einsum("bnts,bsnh->btnh", dropped.astype(dt), v)
         y = project(out, self.out_kernel.astype(dt), in_dims=2)  # btnh,nhd->btd
         return y + self.out_bias.astype(dt), new_cache
+
+    def _local(self, q, k, v, mask: LocalMask, capture: bool, dropout: bool) -> jax.Array:
+        """Windowed self-attention: [B, T, N, H] -> [B, T, N, H]."""
+        out, weights = local_attention.local_attention(
+            q, k, v, mask.valid, mask.segments, mask.window, mask.causal
+        )  # weights float32[B, N, K, C, W]
+        if capture:
+            dense = local_attention.to_dense(weights, q.shape[1], mask.window, mask.causal)
+            self.sow("intermediates", "attention_weights", dense)
+        if dropout:
+            dropped = self.dropout(weights, deterministic=False)
+            out = local_attention.local_combine(dropped, v, mask.window, mask.causal)
+        return out
 
     def _qkv(self, x, inputs_kv, cross_kv, cache):
         """Queries, keys and values [B, *, N, H] (and the updated cache or None)."""

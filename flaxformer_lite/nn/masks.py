@@ -10,6 +10,11 @@ query. A padded query row still attends to the valid keys (its output is
 never read: padded keys are hidden and padded targets carry no loss), so
 no row is ever fully masked unless a whole sequence is padding.
 
+With a window (`config.encoder_window`, `config.decoder_window`) a
+self-attention mask is a `LocalMask` instead: the validity (and segments)
+from which the blocked kernel (`local_attention.py`) builds its band mask
+chunk by chunk, since a dense [B, T, T] mask would itself be O(n^2).
+
 Shapes: B batch, T query length, S key length, L decoder cache length.
 """
 
@@ -52,7 +57,20 @@ def segment_mask(query_segments: jax.Array, key_segments: jax.Array) -> jax.Arra
     return same & (key_segments[:, None, :] != 0)
 
 
-def cache_mask(positions: jax.Array, cache_len: int, batch: int) -> jax.Array:
+class LocalMask(NamedTuple):
+    """Self-attention within a window, in place of a dense mask (`local_attention.py`).
+
+    Query i attends key j when |i - j| <= window (causal: i - window <= j <= i),
+    the key is valid and, for packed rows, of the same segment.
+    """
+
+    valid: jax.Array  # bool[B, T] key validity
+    segments: jax.Array | None  # int[B, T] packed examples (0 = padding) or None
+    window: int  # r >= 1 (a Python int: the block size of the kernel)
+    causal: bool
+
+
+def cache_mask(positions: jax.Array, cache_len: int, batch: int, window: int = 0) -> jax.Array:
     """Cached decoding: query t (at absolute position positions[t]) sees cache slots <= it.
 
     Causal over the prefix and within a block of new tokens, and never the
@@ -60,31 +78,45 @@ def cache_mask(positions: jax.Array, cache_len: int, batch: int) -> jax.Array:
 
     Args:
       positions: int32[T] absolute positions of the new tokens.
+      window: > 0: also hide slots more than `window` positions back (the decoder's band).
     Returns:
       bool[B, T, L].
     """
-    mask = jnp.arange(cache_len)[None, :] <= positions[:, None]  # [T, L]
+    slots = jnp.arange(cache_len)[None, :]  # [1, L]
+    mask = slots <= positions[:, None]  # [T, L]
+    if window:
+        mask = mask & (slots >= positions[:, None] - window)
     return jnp.broadcast_to(mask, (batch, *mask.shape))
 
 
 class Masks(NamedTuple):
     """The masks of one teacher-forced encoder-decoder pass."""
 
-    encoder: jax.Array  # bool[B, S, S] encoder self-attention
-    decoder: jax.Array  # bool[B, T, T] decoder self-attention (causal)
+    encoder: jax.Array | LocalMask  # bool[B, S, S] encoder self-attention
+    decoder: jax.Array | LocalMask  # bool[B, T, T] decoder self-attention (causal)
     cross: jax.Array  # bool[B, T, S] decoder queries x encoder keys
 
 
-def encoder_mask(source_valid: jax.Array, source_segments: jax.Array | None = None) -> jax.Array:
-    """Encoder self-attention: padding (and segments of packed rows). bool[B, S, S]."""
+def encoder_mask(
+    source_valid: jax.Array, source_segments: jax.Array | None = None, window: int = 0
+) -> jax.Array | LocalMask:
+    """Encoder self-attention: padding (and segments of packed rows). bool[B, S, S],
+    or with a window > 0 the `LocalMask` |i - j| <= window."""
+    if window:
+        return LocalMask(source_valid, source_segments, window, causal=False)
     mask = padding_mask(source_valid, source_valid.shape[1])
     if source_segments is not None:
         mask = mask & segment_mask(source_segments, source_segments)
     return mask
 
 
-def decoder_mask(target_valid: jax.Array, target_segments: jax.Array | None = None) -> jax.Array:
-    """Decoder self-attention: causal AND padding (AND segments). bool[B, T, T]."""
+def decoder_mask(
+    target_valid: jax.Array, target_segments: jax.Array | None = None, window: int = 0
+) -> jax.Array | LocalMask:
+    """Decoder self-attention: causal AND padding (AND segments). bool[B, T, T],
+    or with a window > 0 the `LocalMask` i - window <= j <= i."""
+    if window:
+        return LocalMask(target_valid, target_segments, window, causal=True)
     mask = padding_mask(target_valid, target_valid.shape[1]) & causal_mask(target_valid.shape[1])
     if target_segments is not None:
         mask = mask & segment_mask(target_segments, target_segments)
@@ -109,10 +141,13 @@ def seq2seq_masks(
     target_valid: jax.Array,
     source_segments: jax.Array | None = None,
     target_segments: jax.Array | None = None,
+    encoder_window: int = 0,
+    decoder_window: int = 0,
 ) -> Masks:
-    """All three masks of a teacher-forced pass (segments: both or neither)."""
+    """All three masks of a teacher-forced pass (segments: both or neither; windows as in
+    `encoder_mask`, `decoder_mask`)."""
     return Masks(
-        encoder=encoder_mask(source_valid, source_segments),
-        decoder=decoder_mask(target_valid, target_segments),
+        encoder=encoder_mask(source_valid, source_segments, encoder_window),
+        decoder=decoder_mask(target_valid, target_segments, decoder_window),
         cross=cross_mask(source_valid, target_valid.shape[1], target_segments, source_segments),
     )

@@ -132,6 +132,52 @@ def _sweep(opts: Options, results):
         )
 
 
+def _length_sweep(opts: Options, log) -> list[dict]:
+    """--length_sweep: full vs local encoder self-attention, step time and memory vs length."""
+    import jax
+
+    from flaxformer_lite.tools import length_sweep
+
+    f = opts.flags
+    try:
+        lengths = [int(n) for n in f.length_sweep]
+    except ValueError:
+        cli.fail(f"--length_sweep takes integers, got {','.join(f.length_sweep)}")
+    if any(n < 1 for n in lengths):
+        cli.fail("--length_sweep lengths must be positive")
+    sizes = {"d_model": 256, "num_heads": 4, "d_ff": 1024, "num_layers": 2, "dtype": "float32"}
+    given = {name: getattr(f, name) for name in sizes if name in opts.present}
+    sizes.update(given)
+    config = length_sweep.sweep_config(
+        input_features=f.input_features,
+        d_model=sizes["d_model"],
+        num_heads=sizes["num_heads"],
+        d_ff=sizes["d_ff"],
+        num_encoder_layers=sizes["num_layers"],
+        dtype=sizes["dtype"],
+        max_len=max(lengths),
+    )
+    log(
+        f"devices: {jax.devices()}; encoder forward+backward, batch {f.batch_sweep}, "
+        f"{config.input_features} features, d_model {config.d_model}, {config.num_heads} heads, "
+        f"{config.num_encoder_layers} layers, d_ff {config.d_ff}; local window {f.window}; "
+        f"memory: XLA's estimate (arguments + outputs + temporaries); time: median of "
+        f"{f.repeats} runs, skipped where the estimate is over {f.max_run_mib:.0f} MiB"
+    )
+    log(length_sweep.HEADER)
+    rows = length_sweep.length_sweep(
+        lengths,
+        f.window,
+        config=config,
+        batch=f.batch_sweep,
+        repeats=f.repeats,
+        max_run_mib=f.max_run_mib,
+        log=log,
+    )
+    log("(x: MiB over the previous length's; 2 = linear, 4 = quadratic per doubling)")
+    return rows
+
+
 def check_compare(opts: Options) -> None:
     """Fails early, in one line, when `--compare` cannot run."""
     if opts.flags.mode not in ("all", "train"):
@@ -221,8 +267,14 @@ def run(opts: Options) -> dict:
     from flaxformer_lite.tools import host_memory
 
     f = opts.flags
-    config = model_config(opts)
     log = (lambda s: print(s, file=sys.stderr)) if f.json == "/dev/stdout" else print
+    if f.length_sweep:
+        results = {"length_sweep": _length_sweep(opts, log)}
+        if f.json:
+            with open(f.json, "w") as out:
+                json.dump(results, out, indent=2)
+        return results
+    config = model_config(opts)
     _describe(config, log)
     log(f"host malloc: {'reuse freed memory' if host_memory.applied() else 'system default'}")
     results = {"config": config.to_dict(), "host_malloc_reuse": host_memory.applied()}
