@@ -226,7 +226,17 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
             "optim.warmup_steps=0, but the rsqrt schedule divides by it: use warmup_steps >= 1 "
             "or another optim.schedule"
         )
+    if model.subsampling_layers and data.batching == "pack":
+        raise ConfigError(
+            "data.batching='pack' puts several examples in a row, but model.subsampling_layers "
+            "convolves across them: use --config.data.batching=bucket or fixed"
+        )
     nat = nat_of(config)
+    if nat is not None and model.subsampling_layers:
+        raise ConfigError(
+            "model.subsampling_layers is not supported by the nat model (it reads one encoder "
+            "position per input frame): set it to 0 or drop the nat section"
+        )
     if nat is not None:
         check_nat(nat, model, data, train, sampling)
     copy = copy_of(config)
