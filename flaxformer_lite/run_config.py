@@ -40,8 +40,10 @@ from flaxformer_lite.variant_sections import (
     NATConfig,
     ScheduledSamplingConfig,
     check_copy,
+    check_guided_attention,
     check_nat,
     copy_of,
+    guided_attention_of,
     nat_of,
     scheduled_sampling_of,  # noqa: F401  (other modules import it from here)
     scheduled_sampling_section,
@@ -63,7 +65,17 @@ BEST_METRICS = {
 }
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
-SECTIONS = ("model", "data", "optim", "train", "mesh", "scheduled_sampling", "nat", "copy")
+SECTIONS = (
+    "model",
+    "data",
+    "optim",
+    "train",
+    "mesh",
+    "scheduled_sampling",
+    "nat",
+    "copy",
+    "guided_attention",
+)
 
 
 # {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
@@ -242,6 +254,7 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
     copy = copy_of(config)
     if copy is not None:
         check_copy(copy, model, data, sampling, nat)
+    check_guided_attention(guided_attention_of(config), model, sampling, nat, copy)
     return RunConfig(
         model=model,
         data=data,
