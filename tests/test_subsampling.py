@@ -183,3 +183,11 @@ def test_bad_settings_are_refused():
                          "targets_positions": jnp.zeros((1, 4), jnp.int32)},
             )
         )  # fmt: skip
+
+
+def test_length_only_shapes_build_the_feature_parameters(model):
+    """Train-state creation passes (B, S) shapes; the parameters are those of (B, S, F)."""
+    m, params = model
+    shapes = {"inputs": (1, 8), "targets": (1, 8)}
+    abstract = jax.eval_shape(lambda: m.init(jax.random.PRNGKey(0), shapes))
+    assert jax.tree.map(jnp.shape, abstract) == jax.tree.map(jnp.shape, params)

@@ -118,6 +118,8 @@ class AutoregressiveModel(Seq2SeqModel):
     def init(self, rng: jax.Array, batch_shapes: dict[str, tuple[int, ...]]) -> Params:
         shape = batch_shapes["inputs"]  # (B, S) token ids or (B, S, F) features
         features = bool(self.config.input_features)
+        if features and len(shape) == 2:  # (B, S) from length-only callers (train state, shapes)
+            shape = (*shape, self.config.input_features)
         source = jnp.ones(shape, jnp.float32 if features else jnp.int32)
         valid = jnp.ones(shape[:2], jnp.bool_) if features else None
         target = jnp.ones(batch_shapes["targets"], jnp.int32)

@@ -163,6 +163,8 @@ class NonAutoregressiveModel(Seq2SeqModel):
     def init(self, rng: jax.Array, batch_shapes: dict[str, tuple[int, ...]]) -> Params:
         shape = batch_shapes["inputs"]
         features = bool(self.config.input_features)
+        if features and len(shape) == 2:  # (B, S) from length-only callers (train state, shapes)
+            shape = (*shape, self.config.input_features)
         source = jnp.ones(shape, jnp.float32 if features else jnp.int32)
         target = jnp.ones(batch_shapes["targets"], jnp.int32)
         return self.module.init(
