@@ -69,6 +69,10 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32  # storage dtype of parameters
     scan_layers: bool = False  # run the layers as one lax.scan (compiles one layer body)
     remat: bool = False  # with scan_layers: recompute layer activations in the backward pass
+    # Convolutional front end for features (nn/subsampling.py): each layer halves the frames.
+    subsampling_layers: int = 0  # 0: none; n: n stride-2 Conv1d + GLU layers (2**n fewer frames)
+    subsampling_kernel: int = 5  # odd kernel width of every conv layer
+    subsampling_channels: int = 256  # channels after each conv's GLU
 
     def __post_init__(self):
         for name in (
@@ -94,6 +98,7 @@ class TransformerConfig:
                 raise ConfigError(
                     f"model.{name} must be 0 (full attention) or a window r >= 1, got {value!r}"
                 )
+        self._check_subsampling()
         if self.target_vocab_size is not None and self.target_vocab_size < 1:
             raise ConfigError(
                 f"model.target_vocab_size must be a positive integer or None, "
@@ -127,6 +132,25 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {value!r}")
+
+    def _check_subsampling(self):
+        n, k, c = self.subsampling_layers, self.subsampling_kernel, self.subsampling_channels
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"model.subsampling_layers must be an integer >= 0, got {n!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k % 2 == 0:
+            raise ConfigError(f"model.subsampling_kernel must be odd and positive, got {k!r}")
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise ConfigError(f"model.subsampling_channels must be a positive integer, got {c!r}")
+        if n and not self.input_features:
+            raise ConfigError(
+                f"model.subsampling_layers={n} subsamples feature frames, but the encoder reads "
+                "token ids: set model.input_features or subsampling_layers=0"
+            )
+
+    @property
+    def subsampling(self) -> int:
+        """The encoder's frame reduction factor: 2 ** subsampling_layers."""
+        return 2**self.subsampling_layers
 
     @property
     def head_dim(self) -> int:

@@ -40,8 +40,10 @@ from flaxformer_lite.variant_sections import (
     NATConfig,
     ScheduledSamplingConfig,
     check_copy,
+    check_guided_attention,
     check_nat,
     copy_of,
+    guided_attention_of,
     nat_of,
     scheduled_sampling_of,  # noqa: F401  (other modules import it from here)
     scheduled_sampling_section,
@@ -63,7 +65,17 @@ BEST_METRICS = {
 }
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
-SECTIONS = ("model", "data", "optim", "train", "mesh", "scheduled_sampling", "nat", "copy")
+SECTIONS = (
+    "model",
+    "data",
+    "optim",
+    "train",
+    "mesh",
+    "scheduled_sampling",
+    "nat",
+    "copy",
+    "guided_attention",
+)
 
 
 # {parameter path: (shape, dtype name)}, e.g. {"encoder/layer_0/mlp/wi/kernel": ((512, 2048),
@@ -226,12 +238,23 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
             "optim.warmup_steps=0, but the rsqrt schedule divides by it: use warmup_steps >= 1 "
             "or another optim.schedule"
         )
+    if model.subsampling_layers and data.batching == "pack":
+        raise ConfigError(
+            "data.batching='pack' puts several examples in a row, but model.subsampling_layers "
+            "convolves across them: use --config.data.batching=bucket or fixed"
+        )
     nat = nat_of(config)
+    if nat is not None and model.subsampling_layers:
+        raise ConfigError(
+            "model.subsampling_layers is not supported by the nat model (it reads one encoder "
+            "position per input frame): set it to 0 or drop the nat section"
+        )
     if nat is not None:
         check_nat(nat, model, data, train, sampling)
     copy = copy_of(config)
     if copy is not None:
         check_copy(copy, model, data, sampling, nat)
+    check_guided_attention(guided_attention_of(config), model, sampling, nat, copy)
     return RunConfig(
         model=model,
         data=data,

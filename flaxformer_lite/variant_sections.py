@@ -27,7 +27,7 @@ from flaxformer_lite.config_fields import (
     one_of,
     section,
 )
-from flaxformer_lite.objectives import scheduled_sampling
+from flaxformer_lite.objectives import guided_attention, scheduled_sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,63 @@ class CopyConfig:
 
     layer: int = field(-1, lambda flag, v: None if is_int(v) else f"{flag} must be an integer")
     heads: tuple[int, ...] = field((), head_indices)
+
+
+def _layer_indices(flag, v):
+    if isinstance(v, (tuple, list)) and v and all(is_int(i) for i in v):
+        return None
+    return f"{flag} must be a non-empty tuple of decoder layer indices, got {v!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidedAttentionConfig:
+    """`guided_attention` (optional section): pulls the chosen decoder layers' cross-attention
+    towards the diagonal (objectives/guided_attention.py); weight 0 leaves it off."""
+
+    weight: float = field(0.0, number(0.0))
+    sigma: float = field(0.4, number(0.0, low_open=True))
+    layers: tuple[int, ...] = field((-2, -1), _layer_indices)
+    heads: tuple[int, ...] = field((0, 1), head_indices)
+
+
+def guided_attention_of(
+    config: ml_collections.ConfigDict | Mapping,
+) -> guided_attention.GuidedAttention:
+    """The model's guided-attention settings of a run config (off when it has none)."""
+    values = config.get("guided_attention", None)
+    g = section(GuidedAttentionConfig, "guided_attention", values or {})
+    return guided_attention.GuidedAttention(g.weight, g.sigma, tuple(g.layers), tuple(g.heads))
+
+
+def check_guided_attention(guided, model, sampling, nat, copy) -> None:
+    if not guided.enabled:
+        return
+    layers, heads = model.num_decoder_layers, model.num_heads
+    if any(not -layers <= i < layers for i in guided.layers):
+        raise ConfigError(
+            f"guided_attention.layers={guided.layers} names a decoder layer the model lacks: it "
+            f"has {layers} (use 0..{layers - 1}, or negative from the last)"
+        )
+    if any(h >= heads for h in guided.heads):
+        raise ConfigError(
+            f"guided_attention.heads={guided.heads} names a head the model lacks: it has "
+            f"{heads} (use indices 0..{heads - 1}, or () for all)"
+        )
+    if nat is not None:
+        raise ConfigError(
+            "guided_attention guides the autoregressive decoder, but this run config has a nat "
+            "section: set guided_attention.weight=0 or drop the nat section"
+        )
+    if copy is not None:
+        raise ConfigError(
+            "guided_attention is not supported with the copy head: set "
+            "guided_attention.weight=0 or drop the copy section"
+        )
+    if sampling.mode != "off":
+        raise ConfigError(
+            f"guided_attention is not supported with scheduled_sampling.mode={sampling.mode!r}: "
+            "set guided_attention.weight=0 or scheduled_sampling.mode='off'"
+        )
 
 
 def copy_of(config: ml_collections.ConfigDict | Mapping) -> CopyConfig | None:

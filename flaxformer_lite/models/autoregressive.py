@@ -25,7 +25,9 @@ from flaxformer_lite.models.capture import captured_attention
 from flaxformer_lite.models.copy_transformer import CopyTransformer
 from flaxformer_lite.models.pointer_generator import CopyHead
 from flaxformer_lite.models.transformer import Transformer, token_validity
+from flaxformer_lite.nn.subsampling import subsampled_validity
 from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.objectives import guided_attention as ga
 from flaxformer_lite.objectives import pointer_generator as copy_loss
 from flaxformer_lite.objectives import scheduled_sampling as ss
 
@@ -73,6 +75,7 @@ class AutoregressiveModel(Seq2SeqModel):
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
     copy: CopyHead | None = None  # None: the plain softmax output
+    guided_attention: ga.GuidedAttention = ga.GuidedAttention()  # off: weight 0
 
     @property
     def module(self) -> Transformer | CopyTransformer:
@@ -115,6 +118,8 @@ class AutoregressiveModel(Seq2SeqModel):
     def init(self, rng: jax.Array, batch_shapes: dict[str, tuple[int, ...]]) -> Params:
         shape = batch_shapes["inputs"]  # (B, S) token ids or (B, S, F) features
         features = bool(self.config.input_features)
+        if features and len(shape) == 2:  # (B, S) from length-only callers (train state, shapes)
+            shape = (*shape, self.config.input_features)
         source = jnp.ones(shape, jnp.float32 if features else jnp.int32)
         valid = jnp.ones(shape[:2], jnp.bool_) if features else None
         target = jnp.ones(batch_shapes["targets"], jnp.int32)
@@ -129,10 +134,46 @@ class AutoregressiveModel(Seq2SeqModel):
         extra = {}
         if self.scheduled_sampling.enabled:
             logits, extra = self._sampled_passes(params, batch, decoder_inputs, rng, step, packing)
+        elif self.guided_attention.enabled:
+            return self._guided_loss(params, batch, decoder_inputs, rng, packing)
         else:
             logits = self._outputs(params, batch, decoder_inputs, rng=rng, packing=packing)
         sums = self._metrics(logits, batch["targets"], segments)
         return sums["loss"], {**sums, **extra}
+
+    def _guided_loss(self, params, batch, decoder_inputs, rng, packing):
+        """The loss plus the guided-attention term (`objectives/guided_attention.py`): the
+        chosen cross-attention layers are captured in the same teacher-forced pass. After the
+        train step's division by the token count the objective is
+        cross-entropy per token + weight * mean(A * W)."""
+        if self.copy is not None or packing is not None:
+            raise ValueError("guided attention supports neither the copy head nor packed rows")
+        g, cfg = self.guided_attention, self.config
+        names = g.capture_names(cfg.num_decoder_layers)
+        logits, state = self._forward(
+            params,
+            batch,
+            decoder_inputs,
+            rng=rng,
+            module=self._module(names),
+            mutable=["intermediates"],
+        )
+        targets = batch["targets"]
+        sums = self._metrics(logits, targets)
+        valid = batch.get("inputs_valid")
+        valid = token_validity(batch["inputs"]) if valid is None else valid
+        encoder_valid = subsampled_validity(valid, cfg)  # [B, S']
+        weights = captured_attention(state["intermediates"], names, cfg)
+        total = cells = jnp.zeros((), jnp.float32)
+        for name in names:
+            w = weights[name]  # [B, N, T, S']
+            if g.heads:
+                w = w[:, jnp.asarray(g.heads)]
+            t, c = ga.guided_attention_loss(w, targets != PAD_ID, encoder_valid, g.sigma)
+            total, cells = total + t, cells + c
+        loss = sums["loss"] + ga.weighted_sum(total, cells, sums["tokens"], g.weight)
+        extra = {"guided_attention": total, "guided_attention_cells": cells}
+        return loss, {**sums, "loss": loss, **extra}
 
     def _sampled_passes(self, params, batch, decoder_inputs, rng, step, packing):
         """Scheduled sampling's decoder passes (`objectives/scheduled_sampling.py`): the

@@ -30,6 +30,7 @@ def build_model(config: ml_collections.ConfigDict, model_cfg: TransformerConfig)
             label_smoothing=config.train.label_smoothing,
             scheduled_sampling=run_config_lib.scheduled_sampling_of(config),
             copy=None if copy is None else CopyHead(copy.layer, tuple(copy.heads)),
+            guided_attention=run_config_lib.guided_attention_of(config),
         )
     return NonAutoregressiveModel(
         model_cfg,

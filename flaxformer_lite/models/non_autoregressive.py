@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
@@ -90,6 +90,11 @@ class NonAutoregressiveModel(Seq2SeqModel):
             raise ValueError(f"masking {self.masking!r}: one of {objective.MASKINGS}")
         if self.length_mode == "predict" and self.length_classes < 2:
             raise ValueError("the length classifier needs length_classes >= 2")
+        if self.config.subsampling_layers:
+            raise ConfigError(
+                "model.subsampling_layers shortens the encoder output, but the "
+                "non-autoregressive model reads one encoder position per input frame: set it to 0"
+            )
         if self.decoder_inputs == "copy" and self.config.input_features:
             raise ValueError("decoder_inputs='copy' copies token embeddings; features have none")
 
@@ -158,6 +163,8 @@ class NonAutoregressiveModel(Seq2SeqModel):
     def init(self, rng: jax.Array, batch_shapes: dict[str, tuple[int, ...]]) -> Params:
         shape = batch_shapes["inputs"]
         features = bool(self.config.input_features)
+        if features and len(shape) == 2:  # (B, S) from length-only callers (train state, shapes)
+            shape = (*shape, self.config.input_features)
         source = jnp.ones(shape, jnp.float32 if features else jnp.int32)
         target = jnp.ones(batch_shapes["targets"], jnp.int32)
         return self.module.init(

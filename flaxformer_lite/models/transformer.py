@@ -42,7 +42,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.models.blocks import DecoderLayer, EncoderLayer, scan_layers
 from flaxformer_lite.models.capture import parse_capture
@@ -50,6 +50,7 @@ from flaxformer_lite.nn import masks
 from flaxformer_lite.nn.dropout import Dropout
 from flaxformer_lite.nn.embeddings import AddPositions, Embed, FeatureProjection
 from flaxformer_lite.nn.layers import layer_norm
+from flaxformer_lite.nn.subsampling import Conv1dSubsampler, subsampled_validity
 
 
 class Encoder(nn.Module):
@@ -67,16 +68,22 @@ class Encoder(nn.Module):
         *,
         deterministic: bool,
         positions: jax.Array | None = None,
+        frames_valid: jax.Array | None = None,
     ) -> jax.Array:
-        """Encodes int[B, S] token ids or float[B, S, F] features -> [B, S, D].
+        """Encodes int[B, S] token ids or float[B, S, F] features -> [B, S', D].
+
+        S' = S except with `config.subsampling_layers` (`nn/subsampling.py`).
 
         Args:
-          mask: bool[B, S, S] or, with `config.encoder_window`, a `masks.LocalMask`
-            (`masks.encoder_mask`).
+          mask: bool[B, S', S'] (`masks.encoder_mask` of the encoder-side validity) or,
+            with `config.encoder_window`, a `masks.LocalMask`.
           positions: int[B, S], restarting at 0 for each packed example (None: 0..S-1).
+          frames_valid: bool[B, S] the input frames' validity; needed with subsampling.
         """
         cfg = self.config
-        if cfg.input_features:
+        if cfg.subsampling_layers:
+            x = Conv1dSubsampler(cfg, name="subsampler")(inputs, frames_valid)
+        elif cfg.input_features:
             x = FeatureProjection(cfg, name="input_projection")(inputs)
         else:
             x = self.embed(inputs)
@@ -328,7 +335,10 @@ class Transformer(nn.Module):
     positions restarting at 0 for each example. Attention never crosses
     examples: encoder, decoder self- and cross-attention are all masked by
     segment. `source_valid` bool[B, S] defaults to `inputs != PAD_ID` for
-    token inputs; feature inputs must give it.
+    token inputs; feature inputs must give it. `source_valid` is always the
+    INPUT frames' validity; with `config.subsampling_layers` the encoder output
+    has S' frames and every method converts the validity
+    (`nn/subsampling.subsampled_validity`) where it masks encoder positions.
     """
 
     config: TransformerConfig
@@ -344,6 +354,17 @@ class Transformer(nn.Module):
             raise ValueError("feature inputs need source_valid bool[B, S]")
         return token_validity(inputs)
 
+    def _encoder_valid(self, source_valid: jax.Array, packing) -> jax.Array:
+        """bool[B, S] input validity -> bool[B, S'] validity of the encoder output."""
+        if not self.config.subsampling_layers:
+            return source_valid
+        if packing is not None:
+            raise ConfigError(
+                "packed rows cannot be subsampled (segments would mix in the convs): use "
+                "data.batching=bucket or fixed, or model.subsampling_layers=0"
+            )
+        return subsampled_validity(source_valid, self.config)
+
     def encode(
         self,
         inputs: jax.Array,
@@ -352,12 +373,16 @@ class Transformer(nn.Module):
         deterministic: bool = True,
         packing: dict[str, jax.Array] | None = None,
     ) -> jax.Array:
-        """int[B, S] (or float[B, S, F]) -> [B, S, D]."""
+        """int[B, S] (or float[B, S, F]) -> [B, S', D] (S' = S without subsampling)."""
         valid = self._source_valid(inputs, source_valid)
         segments = None if packing is None else packing["inputs_segments"]
         positions = None if packing is None else packing["inputs_positions"]
-        mask = masks.encoder_mask(valid, segments, self.config.encoder_window)
-        return self.encoder(inputs, mask, deterministic=deterministic, positions=positions)
+        mask = masks.encoder_mask(
+            self._encoder_valid(valid, packing), segments, self.config.encoder_window
+        )
+        return self.encoder(
+            inputs, mask, deterministic=deterministic, positions=positions, frames_valid=valid
+        )
 
     def decode(
         self,
@@ -374,8 +399,9 @@ class Transformer(nn.Module):
         `replacements`: scheduled sampling's, as in `Decoder.__call__`; the masks
         come from the gold `decoder_inputs`.
         """
+        valid = self._encoder_valid(source_valid, packing)
         self_mask, cross, positions = decoder_masks(
-            source_valid, decoder_inputs, packing, self.config.decoder_window
+            valid, decoder_inputs, packing, self.config.decoder_window
         )
         return self.decoder(
             encoded,
@@ -399,7 +425,8 @@ class Transformer(nn.Module):
         source_valid: jax.Array,
     ) -> tuple[jax.Array, dict]:
         """Cached decoding of int[B, T] new tokens -> (float32[B, T, V], new cache)."""
-        return self.decoder.step(tokens, cache, cross_kv, source_valid)
+        valid = self._encoder_valid(source_valid, None)
+        return self.decoder.step(tokens, cache, cross_kv, valid)
 
     def __call__(
         self,
@@ -420,7 +447,7 @@ class Transformer(nn.Module):
         valid = self._source_valid(inputs, source_valid)
         p = packing or {}
         m = masks.seq2seq_masks(
-            valid,
+            self._encoder_valid(valid, packing),
             token_validity(decoder_inputs),
             p.get("inputs_segments"),
             p.get("targets_segments"),
@@ -428,7 +455,11 @@ class Transformer(nn.Module):
             self.config.decoder_window,
         )
         encoded = self.encoder(
-            inputs, m.encoder, deterministic=deterministic, positions=p.get("inputs_positions")
+            inputs,
+            m.encoder,
+            deterministic=deterministic,
+            positions=p.get("inputs_positions"),
+            frames_valid=valid,
         )
         return self.decoder(
             encoded,

@@ -302,6 +302,9 @@ def _log_train_metrics(run: Run, sums, done: int, steps: int, elapsed: float) ->
     metrics["learning_rate"] = float(run.schedule(done - 1))
     if "ss_replaced" in fetched:  # scheduled sampling: the share of inputs fed from predictions
         metrics["ss_replaced"] = float(fetched["ss_replaced"]) / max(fetched["ss_replaceable"], 1)
+    if "guided_attention" in fetched:  # mean of A * W over the guided cells
+        cells = max(float(fetched["guided_attention_cells"]), 1.0)
+        metrics["guided_attention"] = float(fetched["guided_attention"]) / cells
     if run.guard.skipped:
         metrics["nonfinite_skipped"] = run.guard.skipped  # in this run so far
     run.writer.write(done, "train", metrics)
