@@ -204,6 +204,11 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
     _check_dataset(data)
     _check_vocabularies(data, share_embeddings)
     model = planned_model_config(config)
+    if data.dataset == "spoken_numbers" and data.batching == "pack":
+        raise ConfigError(
+            "data.batching=pack puts several token sources in a row; speech features batch "
+            "with --config.data.batching=bucket (or fixed)"
+        )
     if data.dataset == "spoken_numbers" and model.input_features != data.num_mels:
         raise ConfigError(
             f"model.input_features={model.input_features} but data.dataset=spoken_numbers gives "
