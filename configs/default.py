@@ -59,6 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     d.speech_utterances_per_number = 4  # training utterances per number and language
     d.speech_target = "words"  # words (as spoken) | digits ("4630")
     d.num_mels = 80  # log-mel channels per 10 ms frame (model.input_features must equal it)
+    d.speech_synthesizer = "espeak"  # espeak (pip install '.[speech]') | tones (a test stand-in)
     # parallel_text: {split}.{lang} files (optionally .gz), one sentence a line.
     d.corpus_dir = ""  # a relative path is read from the working directory
     # parallel_text and TFDS catalog datasets: which side is which.

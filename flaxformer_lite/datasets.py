@@ -89,7 +89,7 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
             data.num_numbers,
         )
     if data.dataset == "spoken_numbers":
-        from flaxformer_lite.data import speech_synthesis
+        from flaxformer_lite.data import speech_synthesis, spoken_numbers
         from flaxformer_lite.data.spoken_numbers import load_spoken_numbers
 
         try:
@@ -105,6 +105,9 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
                 valid_fraction=data.valid_fraction,
                 test_fraction=data.test_fraction,
                 target=data.speech_target,
+                # "tones": one sine per character instead of a voice (tests, no espeak-ng).
+                synthesize=spoken_numbers.tones if data.speech_synthesizer == "tones" else None,
+                voice=data.speech_synthesizer,
                 log=log,
             )
         except speech_synthesis.SynthesisUnavailable as e:

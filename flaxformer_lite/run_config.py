@@ -60,6 +60,7 @@ BEST_METRICS = {
     "exact_match": "max",
     "bleu": "max",
     "chrf": "max",
+    "wer": "min",
 }
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
@@ -95,6 +96,7 @@ class DataConfig:
     speech_utterances_per_number: int = field(4, POSITIVE)  # spoken_numbers: per language
     speech_target: str = field("words", one_of("words", "digits"))  # spoken_numbers
     num_mels: int = field(80, POSITIVE)  # spoken_numbers: log-mel channels per frame
+    speech_synthesizer: str = field("espeak", one_of("espeak", "tones"))  # spoken_numbers
     corpus_dir: str = field("", string)  # parallel_text
     source_lang: str = field("", string)  # parallel_text, catalog
     target_lang: str = field("", string)  # parallel_text, catalog
