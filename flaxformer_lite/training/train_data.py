@@ -69,7 +69,8 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
     log(
         f"train: {len(tokenized.sources)} examples, {tokenized.num_sources_truncated} sources "
         f"and {tokenized.num_targets_truncated} targets truncated to "
-        f"{d.max_source_len}/{d.max_target_len} tokens"
+        f"{d.max_source_len}/{d.max_target_len} "
+        + ("frames/tokens" if tokenized.source_features else "tokens")
     )
     if mode == "fixed":
         plan = batching.FixedBatches(tokenized, batch_size=t.batch_size, seed=t.seed, **shard)
