@@ -30,7 +30,7 @@ def _number(example):
 
 
 def test_held_out_numbers_are_never_heard_in_training():
-    numbers = sn.split_numbers(2, 999, 100, 20, 3, 0.1, 0.1)
+    numbers = sn.split_numbers(999, 100, 20, 3, 0.1, 0.1)
     train, valid, test = (set(numbers[s]) for s in ("train", "validation", "test"))
     assert not (train & valid or train & test or valid & test)
     assert set(range(20)) <= train and len(valid) == len(test) == 10

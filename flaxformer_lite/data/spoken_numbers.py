@@ -57,7 +57,6 @@ def digits_target(number: int) -> str:
 
 
 def split_numbers(
-    num_languages: int,
     max_number: int,
     num_numbers: int,
     always_train_below: int,
@@ -70,7 +69,6 @@ def split_numbers(
     Returns:
         ``{"train": [...], "validation": [...], "test": [...]}``: disjoint increasing lists.
     """
-    del num_languages  # one split for every language: held-out numbers are never heard
     check_fractions(valid_fraction, test_fraction)
     low = min(always_train_below, max_number + 1)
     drawn = _numbers_to_split(1, low, max_number, num_numbers, seed)[0]
@@ -204,7 +202,7 @@ class SpokenNumbers(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         del dl_manager
         c = self.builder_config
         numbers = split_numbers(
-            len(c.languages), c.max_number, c.num_numbers, c.always_train_below, c.seed,
+            c.max_number, c.num_numbers, c.always_train_below, c.seed,
             c.valid_fraction, c.test_fraction,
         )  # fmt: skip
         return {
