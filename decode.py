@@ -7,6 +7,7 @@ python decode.py --workdir workdirs/default --input in.txt --nbest 3 --attention
 python decode.py --workdir workdirs/default --input in.txt --reference ref.txt --score
 python decode.py --workdir workdirs/default --input in.txt --reference ref.txt --report
 python decode.py --workdir workdirs/nat --input in.txt --iterations 10 --length_beam 3
+python decode.py --workdir workdirs/speech --input wavs.txt --reference words.txt  # + WER
 """
 
 import sys
@@ -40,7 +41,12 @@ def define_flags() -> None:
     DEFINE_string("workdir", None, "Training workdir written by train.py.", required=True)
     DEFINE_string("step", "latest", "latest (default), latest-good, best, or a step number.")
     DEFINE_integer("average", 1, "Mean params of the last N checkpoints to --step.", lower_bound=1)
-    DEFINE_string("input", None, "Input text, one source per line (default: stdin).")
+    DEFINE_string(
+        "input",
+        None,
+        "Input text, one source per line (default: stdin); for a speech workdir (one trained "
+        "on spoken_numbers), one 16-bit PCM mono WAV file path per line.",
+    )
     DEFINE_string("output", None, "Output file, written atomically (default: stdout).")
     DEFINE_integer("beam_size", 4, "Beams; 1 with --temperature 0 is greedy.", lower_bound=1)
     DEFINE_float("alpha", 0.6, "Beam-search length-penalty exponent.", lower_bound=0.0)

@@ -52,6 +52,16 @@ def get_config() -> ml_collections.ConfigDict:
     d.test_fraction = 0.05  # share held out for the final test
     # names: the generated name-copy task's examples per split (drawn with data.seed).
     d.names_train, d.names_valid, d.names_test = 20_000, 500, 1_000
+    # spoken_numbers: numbers spoken by espeak-ng (flaxformer_lite/data/spoken_numbers.py); the
+    # split (data.seed and the fractions above) is by number, in every language at once.
+    d.speech_languages = ("en",)  # espeak-ng voices that num2words spells: en, de, fr
+    d.speech_max_number = 999  # numbers 0..speech_max_number
+    d.speech_numbers = 0  # > 0: only this many numbers >= speech_always_train_below
+    d.speech_always_train_below = 20  # never held out (thirteen, douze): always in train
+    d.speech_utterances_per_number = 4  # training utterances per number and language
+    d.speech_target = "words"  # words (as spoken) | digits ("4630")
+    d.num_mels = 80  # log-mel channels per 10 ms frame (model.input_features must equal it)
+    d.speech_synthesizer = "espeak"  # espeak (pip install '.[speech]') | tones (a test stand-in)
     # parallel_text: {split}.{lang} files (optionally .gz), one sentence a line.
     d.corpus_dir = ""  # a relative path is read from the working directory
     # parallel_text and TFDS catalog datasets: which side is which.

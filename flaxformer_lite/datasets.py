@@ -3,6 +3,7 @@
 data.dataset selects the loader:
   number_words    the generated default task (data.languages, data.max_number);
   names           the generated name-copy task (data.names_train, names_valid, names_test);
+  spoken_numbers  numbers spoken by espeak-ng -> words or digits (data.speech_*, num_mels);
   parallel_text   {split}.{lang} files in data.corpus_dir;
   tsv             a tab-separated pairs file data.tsv_path, seeded split;
   anything else   a TFDS catalog name such as "wmt14_translate/de-en".
@@ -21,11 +22,12 @@ from flaxformer_lite.config import ConfigError
 if TYPE_CHECKING:
     from flaxformer_lite.run_config import DataConfig
 
-LOCAL_DATASETS = ("number_words", "names", "parallel_text", "tsv")
+LOCAL_DATASETS = ("number_words", "names", "spoken_numbers", "parallel_text", "tsv")
 
 
 def load_splits(data: DataConfig) -> dict[str, Any]:
-    """Dataset splits as random-access sources of {"source": bytes, "target": bytes}.
+    """Dataset splits as random-access sources of {"source": bytes, "target": bytes}; a speech
+    dataset's examples hold {"features": float32[K, data.num_mels]} as well (see `has_features`).
 
     Keys: "train", "validation" and, when the dataset has one, "test".
     """
@@ -38,6 +40,12 @@ def load_splits(data: DataConfig) -> dict[str, Any]:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"data: {e}") from e
+
+
+def has_features(data: DataConfig) -> bool:
+    """Whether the dataset's examples carry "features" that the encoder reads instead of the
+    source text (the source is then only a description for printing)."""
+    return data.dataset == "spoken_numbers"
 
 
 def tfds_dir(data: DataConfig) -> str:
@@ -80,6 +88,30 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
             data.shape_balance,
             data.num_numbers,
         )
+    if data.dataset == "spoken_numbers":
+        from flaxformer_lite.data import speech_synthesis, spoken_numbers
+        from flaxformer_lite.data.spoken_numbers import load_spoken_numbers
+
+        try:
+            return load_spoken_numbers(
+                tfds_dir(data),
+                languages=tuple(data.speech_languages),
+                max_number=data.speech_max_number,
+                num_numbers=data.speech_numbers,
+                always_train_below=data.speech_always_train_below,
+                utterances_per_number=data.speech_utterances_per_number,
+                num_mels=data.num_mels,
+                seed=data.seed,
+                valid_fraction=data.valid_fraction,
+                test_fraction=data.test_fraction,
+                target=data.speech_target,
+                # "tones": one sine per character instead of a voice (tests, no espeak-ng).
+                synthesize=spoken_numbers.tones if data.speech_synthesizer == "tones" else None,
+                voice=data.speech_synthesizer,
+                log=log,
+            )
+        except speech_synthesis.SynthesisUnavailable as e:
+            raise ConfigError(f"data.dataset=spoken_numbers: {e}") from None
     if data.dataset == "names":
         from flaxformer_lite.data.names import load_names
 

@@ -62,6 +62,7 @@ BEST_METRICS = {
     "exact_match": "max",
     "bleu": "max",
     "chrf": "max",
+    "wer": "min",
 }
 SCHEDULES = ("rsqrt", "constant", "cosine")
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
@@ -100,6 +101,14 @@ class DataConfig:
     names_train: int = field(20_000, POSITIVE)  # names: examples per split
     names_valid: int = field(500, NON_NEGATIVE)  # names
     names_test: int = field(1_000, NON_NEGATIVE)  # names
+    speech_languages: tuple[str, ...] = field(("en",), strings)  # spoken_numbers
+    speech_max_number: int = field(999, NON_NEGATIVE)  # spoken_numbers
+    speech_numbers: int = field(0, NON_NEGATIVE)  # spoken_numbers: 0 = all up to the max
+    speech_always_train_below: int = field(20, NON_NEGATIVE)  # spoken_numbers
+    speech_utterances_per_number: int = field(4, POSITIVE)  # spoken_numbers: per language
+    speech_target: str = field("words", one_of("words", "digits"))  # spoken_numbers
+    num_mels: int = field(80, POSITIVE)  # spoken_numbers: log-mel channels per frame
+    speech_synthesizer: str = field("espeak", one_of("espeak", "tones"))  # spoken_numbers
     corpus_dir: str = field("", string)  # parallel_text
     source_lang: str = field("", string)  # parallel_text, catalog
     target_lang: str = field("", string)  # parallel_text, catalog
@@ -209,6 +218,17 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
     _check_dataset(data)
     _check_vocabularies(data, share_embeddings)
     model = planned_model_config(config)
+    if data.dataset == "spoken_numbers" and data.batching == "pack":
+        raise ConfigError(
+            "data.batching=pack puts several token sources in a row; speech features batch "
+            "with --config.data.batching=bucket (or fixed)"
+        )
+    if data.dataset == "spoken_numbers" and model.input_features != data.num_mels:
+        raise ConfigError(
+            f"model.input_features={model.input_features} but data.dataset=spoken_numbers gives "
+            f"data.num_mels={data.num_mels} features per frame: set "
+            f"--config.model.input_features={data.num_mels}"
+        )
     if model.positions == "learned" and max(data.max_source_len, data.max_target_len) > (
         model.max_len
     ):
@@ -288,6 +308,8 @@ def _check_dataset(d: DataConfig) -> None:
                     f"data.languages has {lang!r}, which num2words cannot spell; choose from "
                     + ", ".join(sorted(CONVERTER_CLASSES))
                 )
+    if d.dataset == "spoken_numbers":
+        _check_spoken_numbers(d)
     if (
         d.dataset == "number_words"
         and d.always_train_below > d.max_number
@@ -306,7 +328,8 @@ def _check_dataset(d: DataConfig) -> None:
             f"data.always_train_below={d.always_train_below} to data.max_number={d.max_number}:"
             " lower it, or 0 for all of them"
         )
-    if d.dataset in ("number_words", "tsv") and d.valid_fraction + d.test_fraction >= 1.0:
+    held_out = d.valid_fraction + d.test_fraction
+    if d.dataset in ("number_words", "spoken_numbers", "tsv") and held_out >= 1.0:
         raise ConfigError(
             f"data.valid_fraction={d.valid_fraction} + data.test_fraction={d.test_fraction} "
             "leave no training examples; keep their sum below 1"
@@ -324,7 +347,7 @@ def _check_dataset(d: DataConfig) -> None:
                 f"data.source_column and data.target_column are both {d.source_column}; "
                 "the source and the target must be different columns"
             )
-    if d.dataset not in ("number_words", "names", "tsv"):
+    if d.dataset not in ("number_words", "names", "spoken_numbers", "tsv"):
         for name in ("source_lang", "target_lang"):
             if not getattr(d, name):
                 raise ConfigError(
@@ -336,6 +359,29 @@ def _check_dataset(d: DataConfig) -> None:
                 f"data.source_lang and data.target_lang are both {d.source_lang!r}; "
                 "translation needs two languages"
             )
+
+
+def _check_spoken_numbers(d: DataConfig) -> None:
+    from num2words import CONVERTER_CLASSES
+
+    if not d.speech_languages or len(set(d.speech_languages)) != len(d.speech_languages):
+        raise ConfigError(
+            f"data.speech_languages={tuple(d.speech_languages)} must name distinct languages, "
+            "e.g. --config.data.speech_languages=\"('en','de')\""
+        )
+    for lang in d.speech_languages:
+        if lang not in CONVERTER_CLASSES:
+            raise ConfigError(
+                f"data.speech_languages has {lang!r}, which num2words cannot spell; use "
+                "espeak-ng voices num2words knows, e.g. en, de, fr"
+            )
+    low = min(d.speech_always_train_below, d.speech_max_number + 1)
+    if d.speech_numbers > d.speech_max_number + 1 - low:
+        raise ConfigError(
+            f"data.speech_numbers={d.speech_numbers} is more than there are numbers from "
+            f"data.speech_always_train_below={d.speech_always_train_below} to "
+            f"data.speech_max_number={d.speech_max_number}: lower it, or 0 for all of them"
+        )
 
 
 def _check_vocabularies(d: DataConfig, share_embeddings: bool) -> None:

@@ -332,6 +332,13 @@ def test_every_config_trains(path, tmp_path, compile_cache):
         args[args.index("--config.data.vocab_size=48")] = "--config.data.vocab_size=96"
         args += ["--config.data.names_train=200", "--config.data.names_valid=8"]
         command = ["train.py", *args, "--config.data.names_test=8"]
+    elif d.dataset == "spoken_numbers":
+        # A dozen tone "utterances" (no espeak-ng) of up to 64 frames.
+        args[args.index("--config.data.max_source_len=16")] = "--config.data.max_source_len=64"
+        args += ["--config.data.max_tokens=256", "--config.data.speech_synthesizer=tones"]
+        args += ["--config.data.speech_max_number=40", "--config.data.speech_numbers=8"]
+        args += ["--config.data.speech_always_train_below=4", "--config.data.valid_fraction=0.25"]
+        command = ["train.py", *args, "--config.data.speech_utterances_per_number=1"]
     elif d.dataset == "parallel_text":
         _corpus(tmp_path, config)
         command = ["train.py", *args, f"--config.data.corpus_dir={tmp_path}"]

@@ -14,6 +14,7 @@ import numpy as np
 
 SOURCE_FIELD = "source"
 TARGET_FIELD = "target"
+FEATURES_FIELD = "features"  # speech splits: float32[K, F] frames the encoder reads
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 
 

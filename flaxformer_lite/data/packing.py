@@ -108,6 +108,8 @@ class PackedBatches(_Plan):
         window: int = 16,
     ) -> None:
         super().__init__(tokenized, seed, shuffle, process_index, process_count)
+        if tokenized.source_features:
+            raise ValueError("packed rows need token sources; batch speech features by bucket")
         if rows < 1 or rows % process_count or window < 1:
             raise ValueError(
                 f"rows ({rows}) must be a positive multiple of process_count "

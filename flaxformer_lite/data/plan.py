@@ -21,9 +21,16 @@ Batch = dict[str, np.ndarray]
 
 
 def _gather(flat: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
-    """``int32[len(offsets), width]``: row ``i`` = ``flat[offsets[i]:][:lengths[i]]`` + PADs."""
+    """``int32[len(offsets), width]``: row ``i`` = ``flat[offsets[i]:][:lengths[i]]`` + PADs.
+
+    For feature frames, ``flat`` is ``float32[total_frames, F]`` and the result
+    ``float32[len(offsets), width, F]``, padded with 0.
+    """
     cols = np.arange(width)
-    index = np.minimum(offsets[:, None] + cols, flat.size - 1)  # clipped cells are masked
+    index = np.minimum(offsets[:, None] + cols, len(flat) - 1)  # clipped cells are masked
+    if flat.ndim == 2:
+        inside = cols < lengths[:, None]  # [n, width]
+        return np.where(inside[..., None], flat[index], 0.0).astype(np.float32)
     return np.where(cols < lengths[:, None], flat[index], PAD_ID).astype(np.int32)
 
 
@@ -81,12 +88,17 @@ class _Plan:
 
     def _rows(self, ids: np.ndarray, shape: tuple[int, int]) -> Batch:
         """``{"inputs": int32[n, S], "targets": int32[n, T], "valid": bool[n]}`` of the examples
-        ``ids`` (``int64[n]``; -1 is an all-PAD filler row whose ``valid`` is False)."""
+        ``ids`` (``int64[n]``; -1 is an all-PAD filler row whose ``valid`` is False). With
+        feature sources, ``"inputs"`` is ``float32[n, S, F]`` (0 past a row's frames) and
+        ``"inputs_valid"`` ``bool[n, S]`` marks the real frames."""
         valid = ids >= 0
         safe = np.where(valid, ids, 0)
         batch = {"valid": valid}
         for key, width, (flat, offsets, lengths) in zip(("inputs", "targets"), shape, self._sides):
             batch[key] = _gather(flat, offsets[safe], np.where(valid, lengths[safe], 0), width)
+        if self.tokenized.source_features:
+            lengths = np.where(valid, self.tokenized.source_lengths[safe], 0)
+            batch["inputs_valid"] = np.arange(shape[0]) < lengths[:, None]
         return batch
 
     def __getitem__(self, step: int) -> Batch:

@@ -1,4 +1,5 @@
-"""A split tokenized once: ids + EOS per example, truncated keeping EOS last.
+"""A split tokenized once: ids + EOS per example, truncated keeping EOS last; or, for a speech
+split, the source side as feature frames (no EOS), truncated to the first frames.
 
 The batch plans of :mod:`flaxformer_lite.data.batching` gather their rows from it.
 """
@@ -12,7 +13,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, as_str, read_all
+from flaxformer_lite.data.common import (
+    FEATURES_FIELD,
+    SOURCE_FIELD,
+    TARGET_FIELD,
+    as_str,
+    read_all,
+)
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import Vocabularies, with_eos
 
@@ -32,6 +39,11 @@ class Tokenized:
     from the flat array in a few vectorized operations instead of one copy per example.
     ``source_lengths`` is ``int32[n]``, EOS included, at most ``max_source_len``;
     ``num_sources_truncated`` counts the examples cut to that length. Likewise for targets.
+
+    With ``source_features`` the sources are feature frames instead (examples with a
+    ``"features"`` field, ``float32[K, F]``): ``source_ids`` is ``float32[total_frames, F]``,
+    ``sources[i]`` is ``float32[source_lengths[i], F]`` (no EOS; the first ``max_source_len``
+    frames of a longer utterance, counted in ``num_sources_truncated``).
     """
 
     sources: list[np.ndarray]
@@ -47,6 +59,7 @@ class Tokenized:
     num_sources_truncated: int
     num_targets_truncated: int
     oov: list[tuple[str, ...]] | None = None  # with extended ids: each example's unknown pieces
+    source_features: bool = False  # sources are float32 feature frames, not ids
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -82,6 +95,10 @@ def tokenize_split(
         encoders = (tokenizer, tokenizer)
     pieces: tuple[list[list[int]], list[list[int]]] = ([], [])
     truncated = [0, 0]
+    if len(source) and FEATURES_FIELD in source[0]:
+        if extended:
+            raise ValueError("extended ids need text sources, not speech features")
+        return _with_features(source, encoders[1], limits)
     if extended:
         oov = _encode_extended(source, encoders, limits, pieces, truncated)
     else:
@@ -103,6 +120,37 @@ def tokenize_split(
     return Tokenized(
         sources, targets, source_ids, target_ids, source_offsets, target_offsets,
         source_lengths, target_lengths, max_source_len, max_target_len, *truncated, oov,
+    )  # fmt: skip
+
+
+def _with_features(source, encoder, limits) -> Tokenized:
+    """`tokenize_split` of a split whose sources are ``"features"`` frames."""
+    frames: list[np.ndarray] = []
+    targets: list[list[int]] = []
+    truncated = [0, 0]
+    for example in read_all(source):
+        x = np.asarray(example[FEATURES_FIELD], dtype=np.float32)  # [K, F]
+        truncated[0] += int(x.shape[0] > limits[0])
+        frames.append(x[: limits[0]])
+        ids, cut = with_eos(encoder.encode(as_str(example[TARGET_FIELD])), limits[1])
+        truncated[1] += cut
+        targets.append(ids)
+    if len({x.shape[1] for x in frames}) > 1:
+        raise ValueError(
+            f"examples have different feature sizes {sorted({x.shape[1] for x in frames})}"
+        )
+    source_lengths = np.fromiter((x.shape[0] for x in frames), np.int32, len(frames))
+    source_flat = np.concatenate(frames, axis=0)
+    target_lengths = np.fromiter(map(len, targets), np.int32, len(targets))
+    target_flat = np.fromiter(
+        itertools.chain.from_iterable(targets), np.int32, int(target_lengths.sum())
+    )
+    source_offsets = np.cumsum(source_lengths, dtype=np.int64) - source_lengths
+    target_offsets = np.cumsum(target_lengths, dtype=np.int64) - target_lengths
+    return Tokenized(
+        np.split(source_flat, source_offsets[1:]), np.split(target_flat, target_offsets[1:]),
+        source_flat, target_flat, source_offsets, target_offsets, source_lengths,
+        target_lengths, limits[0], limits[1], *truncated, None, True,
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import ml_collections
 
 from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.models.from_config import build_model
+from flaxformer_lite.training.state import init_shapes
 
 
 def abstract_params(config: ml_collections.ConfigDict):
@@ -18,7 +19,7 @@ def abstract_params(config: ml_collections.ConfigDict):
     """
     run_config_lib.validate(config)
     model = build_model(config, run_config_lib.planned_model_config(config))
-    shapes = {"inputs": (1, 8), "targets": (1, 8)}
+    shapes = init_shapes(model, 8, 8)  # frames for a feature encoder
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), shapes))
 
 

@@ -11,6 +11,7 @@ from flaxformer_lite.bleu import corpus_scores
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.evaluation import exposure_bias, exposure_probe
+from flaxformer_lite.evaluation.word_errors import word_error_rate
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import step as step_lib
@@ -59,6 +60,7 @@ def evaluate(
     decode_fn,
     max_batches: int | None = None,
     bleu: bool = False,
+    wer: bool = False,
     exposure: exposure_probe.Probe | None = None,
 ) -> Evaluation:
     """Teacher-forced metrics, and free-running decoding scored against the references.
@@ -73,6 +75,7 @@ def evaluate(
       eval_fn: (params, batch) -> metric sums (`Seq2SeqModel.evaluate`, jitted).
       decode_fn: (params, batch) -> int32[B, T] best hypotheses.
       bleu: also compute sacreBLEU and chrF (corpus level).
+      wer: also the corpus word error rate (`evaluation/word_errors.py`).
       exposure: also the exposure-bias report (`evaluation/exposure_bias.py`) of
         the same examples: `Probe.for_search` of decode_fn's search, so that
         greedy tokens are reused.
@@ -101,6 +104,8 @@ def evaluate(
     refs = references[: len(hyps)]
     metrics = cross_entropy.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
+    if wer:
+        metrics["wer"] = word_error_rate(hyps, refs)
     signature = None
     if bleu:
         scores = corpus_scores(hyps, refs)
@@ -126,13 +131,17 @@ def row_detokenizer(dataset, vocab):
     return lambda ids, first: extended.decode_batch(ids, oov[first : first + len(ids)])
 
 
-def print_examples(dataset, tokenizer, pairs, count: int, log) -> None:
-    """Logs the first `count` held-out examples and up to `count` of the errors."""
-    detokenize = row_detokenizer(dataset, tokenizer_lib.Vocabularies.of(tokenizer).source)
-    sources: list[str] = []
-    for i in range(len(dataset)):
-        batch = dataset[i]
-        sources.extend(detokenize(batch["inputs"][batch["valid"]], len(sources)))
+def print_examples(dataset, tokenizer, pairs, count: int, log, sources=None) -> None:
+    """Logs the first `count` held-out examples and up to `count` of the errors.
+
+    `sources`: what to print for each example's source (a speech split's descriptions);
+    None: the detokenized source ids."""
+    if sources is None:
+        detokenize = row_detokenizer(dataset, tokenizer_lib.Vocabularies.of(tokenizer).source)
+        sources = []
+        for i in range(len(dataset)):
+            batch = dataset[i]
+            sources.extend(detokenize(batch["inputs"][batch["valid"]], len(sources)))
     rows = list(zip(sources, pairs))
     errors = [r for r in rows[count:] if r[1][0] != r[1][1]]  # beyond the rows shown first
     wrong = sum(hyp != ref for _, (hyp, ref) in rows)

@@ -114,6 +114,8 @@ class Run:
     first_batch: int = 0
     start: int = 0
     validated: tuple[int, Any] | None = None  # (step, result) of a whole-split validation
+    # A speech split's source descriptions, printed with its examples (text splits: none).
+    descriptions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -166,6 +168,7 @@ class Run:
             decode_fn=self.decode_fn,
             max_batches=max_batches,
             bleu=self.config.train.eval_bleu,
+            wer=datasets.has_features(run_config_lib.parse(self.config).data),
             exposure=exposure_probe.Probe.for_search(
                 self.model,
                 search_from_config(self.config),
@@ -264,6 +267,9 @@ def prepare(
         train_batches=train_data.make_train_batches(config, splits["train"], tokenizer, log),
         eval_sets=eval_sets,
         references=references,
+        descriptions={name: texts(splits[name], "source") for name in eval_sets}
+        if datasets.has_features(run_config_lib.parse(config).data)
+        else {},
         ckpt=ckpt,
         early_stop=EarlyStopping(t.best_metric, ckpt.best_mode, t.early_stop_patience),
         guard=NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, log),
@@ -393,7 +399,12 @@ def final_evaluation(run: Run) -> dict[str, float]:
             run.ckpt.record_metrics(final_step, result.metrics)
         if split == "test" and t.num_examples_to_print:
             evaluate_lib.print_examples(
-                run.eval_sets[split], run.tokenizer, result.pairs, t.num_examples_to_print, run.log
+                run.eval_sets[split],
+                run.tokenizer,
+                result.pairs,
+                t.num_examples_to_print,
+                run.log,
+                sources=run.descriptions.get(split),
             )
         if result.bleu_signature:
             run.log(f"{split} BLEU by sacreBLEU, signature {result.bleu_signature}")

@@ -25,6 +25,14 @@ class TrainState:
     rng: jax.Array  # uint32[2] base key for dropout; step keys are folded in
 
 
+def init_shapes(model: Seq2SeqModel, source_len: int, target_len: int) -> dict[str, tuple]:
+    """The batch shapes `model.init` builds parameters from: a feature encoder reads
+    float[1, S, F] frames, the others int[1, S] ids."""
+    features = getattr(getattr(model, "config", None), "input_features", 0)
+    inputs = (1, source_len, features) if features else (1, source_len)
+    return {"inputs": inputs, "targets": (1, target_len)}
+
+
 def _init_fn(
     model: Seq2SeqModel,
     tx: optax.GradientTransformation,
@@ -34,8 +42,7 @@ def _init_fn(
 ) -> Callable[[], TrainState]:
     def init() -> TrainState:
         params_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
-        shapes = {"inputs": (1, source_len), "targets": (1, target_len)}
-        params = model.init(params_rng, shapes)
+        params = model.init(params_rng, init_shapes(model, source_len, target_len))
         return TrainState(jnp.int32(0), params, tx.init(params), dropout_rng)
 
     return init
@@ -50,7 +57,7 @@ def param_shapes(model: Seq2SeqModel) -> ParamShapes:
     Paths join module names with "/", e.g. "decoder/layer_0/cross_attention/kv_kernel".
     Parameter shapes do not depend on the lengths: a [1, 8] source and target suffice.
     """
-    shapes = {"inputs": (1, 8), "targets": (1, 8)}
+    shapes = init_shapes(model, 8, 8)
     params = jax.eval_shape(
         lambda rng: model.init(rng, shapes), jax.ShapeDtypeStruct((2,), jnp.uint32)
     )

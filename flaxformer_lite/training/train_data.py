@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from flaxformer_lite import datasets
 from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
@@ -68,7 +69,8 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
     log(
         f"train: {len(tokenized.sources)} examples, {tokenized.num_sources_truncated} sources "
         f"and {tokenized.num_targets_truncated} targets truncated to "
-        f"{d.max_source_len}/{d.max_target_len} tokens"
+        f"{d.max_source_len}/{d.max_target_len} "
+        + ("frames/tokens" if tokenized.source_features else "tokens")
     )
     if mode == "fixed":
         plan = batching.FixedBatches(tokenized, batch_size=t.batch_size, seed=t.seed, **shard)
@@ -111,9 +113,13 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, tra
             )
         return vocab, False
     d = config.data
+    targets = texts(train_split, "target")
+    # A speech source is frames: its text is a description, and the vocabulary (both sides'
+    # when not shared; the source one is then never read) comes from the transcripts alone.
+    features = datasets.has_features(run_config_lib.parse(config).data)
     vocab = tokenizer_lib.Vocabularies.train(
-        texts(train_split, "source"),
-        texts(train_split, "target"),
+        (targets if not d.shared_vocab else []) if features else texts(train_split, "source"),
+        targets,
         d.vocab_size,
         d.vocab_model_type,
         shared=d.shared_vocab,

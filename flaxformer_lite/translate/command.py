@@ -77,6 +77,18 @@ def _check_options(o: Options) -> None:
     exposure.check_options(o)
 
 
+def _check_speech_options(o: Options) -> None:
+    """A speech workdir decodes WAV files; what needs source text is refused in one line."""
+    for flag in ("score", "report", "attention_png"):
+        if getattr(o, flag):
+            raise files.InputError(
+                f"--{flag} is not supported for a speech workdir ({o.workdir} reads WAV "
+                "files); decode with --reference for BLEU, WER and exact match"
+            )
+    if o.strict:
+        raise files.InputError("--strict refuses long text lines; a speech workdir reads WAV files")
+
+
 def _check_model_kind(o: Options, non_autoregressive: bool) -> None:
     """Flags that only one model kind reads are refused for the other."""
     nat_flags = [f"--{k}" for k in ("iterations", "length_beam", "length_scale")]
@@ -120,6 +132,8 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     search = None
     non_autoregressive = run_config.get("nat") is not None
     _check_model_kind(o, non_autoregressive)
+    if runner.is_speech(run_config):
+        _check_speech_options(o)
     if not o.score and non_autoregressive:
         search = runner.make_nat_search(
             run_config,
@@ -150,9 +164,12 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         return
     max_source_len = run_config["data"]["max_source_len"]
     copy_head = has_copy_head(run_config)  # extended ids, as in training
-    sources = runner.tokenize_lines(
-        tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
-    )
+    if runner.is_speech(run_config):
+        sources = runner.features_of_lines(lines, run_config, max_source_len)
+    else:
+        sources = runner.tokenize_lines(
+            tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
+        )
     for warning in reports.input_warnings(num_invalid, sources, max_source_len):
         log(warning)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
@@ -186,6 +203,8 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
     log(reports.summary(result))
     if references is not None:
         log(reports.bleu_report(result.texts, references))
+        if runner.is_speech(run_config):
+            log(reports.speech_report(result.texts, references))
         log(reports.multimodality_line(result, references, Vocabularies.of(tokenizer).target))
     if o.attention_png and o.attention_count:
         paths = reports.save_attention_pngs(

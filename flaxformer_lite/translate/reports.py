@@ -38,7 +38,7 @@ def multimodality_line(result, references: Sequence[str], target_vocab) -> str:
     are: the pieces a model emits may segment the same text differently."""
     from flaxformer_lite.evaluation import multimodality
 
-    live = [i for i, ids in enumerate(result.sources.ids) if ids]
+    live = [i for i, ids in enumerate(result.sources.ids) if len(ids)]  # ids or frames
     outputs = [target_vocab.encode(result.texts[i]) for i in live]
     refs = [target_vocab.encode(references[i]) for i in live]
     return multimodality.measure(outputs, refs).line()
@@ -202,3 +202,12 @@ def save_attention_pngs(
         _plot(weights[row], src, out, title, path, None if gate is None else gate[row])
         paths.append(path)
     return paths
+
+
+def speech_report(hypotheses: list[str], references: list[str]) -> str:
+    """The word error rate and exact match of a speech workdir's output, one line."""
+    from flaxformer_lite.evaluation.word_errors import word_error_rate
+
+    exact = sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)
+    wer = word_error_rate(hypotheses, references)
+    return f"WER = {100 * wer:.2f}% exact_match = {exact:.4f} over {len(references)} line(s)"

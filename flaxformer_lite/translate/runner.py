@@ -268,6 +268,41 @@ def tokenize_lines(
     return out
 
 
+def features_of_lines(lines: Sequence[str], run_config: dict, max_source_len: int) -> Sources:
+    """A speech workdir's input: each line is a WAV path, read into the features training
+    used (`audio_features.speech_features` with the run's `data.num_mels`), at most
+    `max_source_len` frames (longer ones are cut, and counted). Blank lines are not decoded.
+
+    Sources.ids then holds float32[K, F] per line ([] for a blank one).
+
+    Raises:
+      InputError: a file is missing, unreadable, or not 16-bit PCM mono WAV (names the line).
+    """
+    from flaxformer_lite.data import audio_features
+
+    num_mels = int(run_config["data"]["num_mels"])
+    out = Sources(ids=[])
+    for number, line in enumerate(lines, start=1):
+        path = line.strip()
+        if not path:
+            out.ids.append([])
+            out.num_empty += 1
+            continue
+        try:
+            samples, rate = audio_features.read_wav(path)
+        except audio_features.AudioError as e:
+            raise InputError(f"input line {number}: {e}") from None
+        frames = audio_features.speech_features(samples, rate, num_mels)
+        out.num_truncated += len(frames) > max_source_len
+        out.ids.append(frames[:max_source_len])
+    return out
+
+
+def is_speech(run_config: dict) -> bool:
+    """Whether a workdir's encoder reads speech features (its input lines are WAV paths)."""
+    return bool(run_config["model"].get("input_features"))
+
+
 def too_long_error(numbers: list[int], what: str, max_len: int, side: str) -> InputError:
     """The --strict refusal of over-long lines, naming the first few (1-based)."""
     shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
@@ -298,7 +333,18 @@ def plan_batches(
 
 
 def pad_rows(ids: Sequence[Sequence[int]], indices: Sequence[int], rows: int, length: int):
-    """int32[rows, length] of the chosen lines' ids, PAD_ID-padded; all-PAD rows fill the rest."""
+    """int32[rows, length] of the chosen lines' ids, PAD_ID-padded; all-PAD rows fill the rest.
+
+    Feature lines (float32[K, F] each) give (float32[rows, length, F] padded with 0,
+    bool[rows, length] marking the real frames) instead."""
+    if indices and isinstance(ids[indices[0]], np.ndarray) and ids[indices[0]].ndim == 2:
+        width = ids[indices[0]].shape[1]
+        frames = np.zeros((rows, length, width), np.float32)
+        valid = np.zeros((rows, length), bool)
+        for row, i in enumerate(indices):
+            frames[row, : len(ids[i])] = ids[i]
+            valid[row, : len(ids[i])] = True
+        return frames, valid
     out = np.full((rows, length), PAD_ID, np.int32)
     for row, i in enumerate(indices):
         out[row, : len(ids[i])] = ids[i]
@@ -357,9 +403,14 @@ def progress_bar(total: int, desc: str, progress: bool | None):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "search"))
-def predict_batch(model, params, inputs, search, rng):
-    """`model.predict` of one padded batch: (tokens int32[B, n, L], scores float32[B, n])."""
-    return model.predict(params, {"inputs": inputs}, search, rng)
+def predict_batch(model, params, inputs, search, rng, inputs_valid=None):
+    """`model.predict` of one padded batch: (tokens int32[B, n, L], scores float32[B, n]).
+
+    `inputs_valid`: bool[B, S] of feature inputs float32[B, S, F] (None for token ids)."""
+    batch = {"inputs": inputs}
+    if inputs_valid is not None:
+        batch["inputs_valid"] = inputs_valid
+    return model.predict(params, batch, search, rng)
 
 
 def decode_lines(
@@ -416,9 +467,10 @@ def decode_lines(
     pending = None
     for b, (indices, length) in enumerate(batches):
         inputs = pad_rows(sources.ids, indices, rows, length)
-        result.batch_shapes.add(inputs.shape)
+        inputs, valid = inputs if isinstance(inputs, tuple) else (inputs, None)
+        result.batch_shapes.add(inputs.shape[:2])
         rng = jax.random.fold_in(base_rng, b) if search.method == "sample" else None
-        out = predict_batch(model, params, inputs, search, rng)
+        out = predict_batch(model, params, inputs, search, rng, valid)
         # Dispatch is asynchronous: detokenize the previous batch while this one runs.
         if pending is not None:
             collect(*pending)
