@@ -31,6 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.attention_impl = "vmap"  # vmap (per-head core) | fast (jax.nn.dot_product_attention)
     m.encoder_window = 0  # > 0: encoder self-attention only within |i - j| <= r, O(n r); 0 = full
     m.decoder_window = 0  # > 0: decoder self-attention only to i - r <= j <= i; 0 = full
+    m.subsampling_layers = 0  # features only: n stride-2 Conv1d + GLU layers (2**n fewer frames)
+    m.subsampling_kernel = 5  # odd width of each subsampling conv
+    m.subsampling_channels = 256  # channels after each subsampling conv's GLU
     m.layer_norm_epsilon = 1e-6  # added to the variance; 1e-6 as in tensor2tensor
     m.dtype = "float32"  # matmul dtype ("bfloat16" on TPU/GPU); softmax and loss stay float32
     m.param_dtype = "float32"  # storage of parameters and optimiser state

@@ -22,6 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.norm = "pre"  # pre-LN: steadier on long frame sequences
     m.share_embeddings = False  # the encoder reads frames, not the target vocabulary
     m.input_features = 80  # = data.num_mels
+    m.subsampling_layers = 2  # two stride-2 convs: 4x fewer encoder positions (40 ms each)
     d.dataset = "spoken_numbers"  # flaxformer_lite/data/spoken_numbers.py
     d.speech_languages = ("en",)  # espeak-ng voices (en, de, fr)
     d.speech_max_number = 999  # numbers 0..999
@@ -41,4 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.eval_batch_size = 32
     t.best_metric = "wer"  # checkpoints ranked by validation word error rate
     t.exposure_report = False
+    g = config.guided_attention = ml_collections.ConfigDict()  # objectives/guided_attention.py
+    g.weight = 0.0  # > 0 adds weight * mean(A * W) of the guided layers/heads to the loss
+    g.sigma = 0.4  # width of the diagonal band (ESPnet's 0.4; Tachibana et al. use 0.2)
+    g.layers = (-2, -1)  # decoder layers whose cross-attention is guided
+    g.heads = (0, 1)  # their guided heads; () = all
     return config
