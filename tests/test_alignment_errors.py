@@ -89,3 +89,16 @@ def test_the_word_error_rate_equals_jiwers_when_installed():
 def test_permutations_of_a_reference_never_count_as_repeats():
     for perm in itertools.permutations(["a", "b", "c"]):
         assert ae.alignment_counts(" ".join(perm), "a b c").repeated == 0
+
+
+def test_the_word_error_rate_equals_the_one_row_edit_distance():
+    """Two implementations: the full table with a backtrace here, one row in word_errors."""
+    from flaxformer_lite.evaluation.word_errors import word_error_rate
+
+    rng = np.random.default_rng(2)
+    words = ["one", "two", "hundred", "and"]
+    outs = [" ".join(rng.choice(words, rng.integers(0, 7))) for _ in range(100)]
+    refs = [" ".join(rng.choice(words, rng.integers(1, 7))) for _ in range(100)]
+    assert ae.corpus_counts(outs, refs).word_error_rate == pytest.approx(
+        word_error_rate(outs, refs)
+    )

@@ -125,6 +125,11 @@ def test_decode_reads_wav_files_as_training_reads_features(tone_run, tmp_path):
     expected = vocab.target.decode_batch(np.asarray(tokens[:3, 0]))
     assert [lines[0], lines[2], lines[3]] == expected
 
+    # Cross-attention plots over the encoder positions of the speech inputs.
+    pngs = tmp_path / "png"
+    command.run(command.Options(**options, output=str(out), attention_png=str(pngs)))
+    assert sorted(os.listdir(pngs)) == [f"attention_{i:04d}.png" for i in (0, 2, 3)]
+
     listing.write_text(f"{paths[0]}\n{tmp_path / 'missing.wav'}\n")
     with pytest.raises(files.InputError, match=r"input line 2: .*missing\.wav: cannot be read"):
         command.run(command.Options(**options, output=str(out)))

@@ -16,6 +16,8 @@ import wave
 
 import numpy as np
 
+HOP_MS = 10.0  # frame hop of the project's speech features (window 25 ms)
+
 LOG_FLOOR = 1e-10  # power below this is clamped before the log (Whisper's floor)
 
 

@@ -79,7 +79,7 @@ def _check_options(o: Options) -> None:
 
 def _check_speech_options(o: Options) -> None:
     """A speech workdir decodes WAV files; what needs source text is refused in one line."""
-    for flag in ("score", "report", "attention_png"):
+    for flag in ("score", "report"):
         if getattr(o, flag):
             raise files.InputError(
                 f"--{flag} is not supported for a speech workdir ({o.workdir} reads WAV "

@@ -95,9 +95,17 @@ def _cross_attention(model, params, source_ids, output_ids, layer: int):
 
     src_len = max(len(s) for s in source_ids)
     tgt_len = max(len(o) for o in output_ids)
-    inputs = np.full((len(source_ids), src_len), PAD_ID, np.int32)  # [B, S]
-    for row, src in enumerate(source_ids):
-        inputs[row, : len(src)] = src
+    extra = {}
+    if _is_features(source_ids):  # speech frames float32[K, F] per line
+        inputs = np.zeros((len(source_ids), src_len, np.shape(source_ids[0])[1]), np.float32)
+        valid = np.zeros((len(source_ids), src_len), bool)  # [B, S]
+        for row, src in enumerate(source_ids):
+            inputs[row, : len(src)], valid[row, : len(src)] = src, True
+        extra["inputs_valid"] = valid
+    else:
+        inputs = np.full((len(source_ids), src_len), PAD_ID, np.int32)  # [B, S]
+        for row, src in enumerate(source_ids):
+            inputs[row, : len(src)] = src
 
     name = f"decoder/cross/{layer}"
     # Row t of the targets is output[t]: the model's teacher-forced input is BOS + output[:t].
@@ -107,13 +115,30 @@ def _cross_attention(model, params, source_ids, output_ids, layer: int):
 
     copy_head = getattr(model, "copy", None) is not None
 
-    def weights_fn(params, inputs, targets):
-        batch = {"inputs": inputs, "targets": targets}
+    def weights_fn(params, inputs, targets, extra):
+        batch = {"inputs": inputs, "targets": targets, **extra}
         weights = model.attention_weights(params, batch, (name,))[name]  # float32[B, N, T, S]
         return weights, model.copy_gate(params, batch) if copy_head else None
 
-    weights, gate = jax.jit(weights_fn)(params, inputs, targets)
+    weights, gate = jax.jit(weights_fn)(params, inputs, targets, extra)
     return np.asarray(weights), None if gate is None else np.asarray(gate)
+
+
+def _is_features(source_ids) -> bool:
+    """Whether the inputs are speech frames (float32[K, F] per line) rather than token ids."""
+    return any(np.ndim(s) == 2 for s in source_ids)
+
+
+def _frame_labels(model, frames: int) -> list[str]:
+    """x labels of a speech input's encoder positions: the start time in ms of every fifth
+    position (after the front end's subsampling), blank in between."""
+    from flaxformer_lite.data.audio_features import HOP_MS
+    from flaxformer_lite.nn.subsampling import subsampled_lengths
+
+    cfg = model.config
+    positions = int(subsampled_lengths(frames, cfg))
+    step_ms = HOP_MS * frames / max(positions, 1)
+    return [f"{round(t * step_ms)}" if t % 5 == 0 else "" for t in range(positions)]
 
 
 def _plot(
@@ -170,7 +195,8 @@ def save_attention_pngs(
     copy head, with its p_gen per output token beside the heads.
 
     Args:
-      source_ids: per input line, source ids ending in EOS ([] = empty line, skipped).
+      source_ids: per input line, source ids ending in EOS ([] = empty line, skipped), or
+        for a speech workdir its frames float32[K, F] (x = encoder positions, labelled in ms).
       output_ids: per input line, the generated ids (EOS included).
       layer: decoder layer (negative counts from the last).
       oov: per input line, its unknown pieces (`Sources.oov`), which label extended ids.
@@ -180,7 +206,7 @@ def save_attention_pngs(
     """
     num_layers = model.config.num_decoder_layers
     check_attention_layer(layer, num_layers)
-    chosen = [i for i, (s, o) in enumerate(zip(source_ids, output_ids)) if s and o][:count]
+    chosen = [i for i, (s, o) in enumerate(zip(source_ids, output_ids)) if len(s) and len(o)][:count]
     if not chosen:
         return []
     os.makedirs(out_dir, exist_ok=True)
@@ -195,7 +221,10 @@ def save_attention_pngs(
     paths = []
     for row, i in enumerate(chosen):
         unknown = () if oov is None else (oov[i],)
-        src = [source_pieces(t, *unknown) for t in source_ids[i]]
+        if _is_features(source_ids):
+            src = _frame_labels(model, len(source_ids[i]))  # encoder positions, in ms
+        else:
+            src = [source_pieces(t, *unknown) for t in source_ids[i]]
         out = [target_pieces(t, *unknown) for t in output_ids[i]]
         title = f"line {i}: decoder layer {layer % num_layers} cross-attention"
         path = os.path.join(out_dir, f"attention_{i:04d}.png")
