@@ -177,6 +177,7 @@ VARIANTS = {
     "numbers_long": "default with other data.max_number and data.num_numbers",
     "names_copy": "names with a copy section",
     "multi30k_ende_copy": "multi30k_ende with a copy section",
+    "spoken_numbers": "tests/test_speech_training.py trains its feature path on tone audio",
 }
 
 

@@ -206,7 +206,8 @@ def save_attention_pngs(
     """
     num_layers = model.config.num_decoder_layers
     check_attention_layer(layer, num_layers)
-    chosen = [i for i, (s, o) in enumerate(zip(source_ids, output_ids)) if len(s) and len(o)][:count]
+    pairs = enumerate(zip(source_ids, output_ids))
+    chosen = [i for i, (s, o) in pairs if len(s) and len(o)][:count]  # frames are arrays
     if not chosen:
         return []
     os.makedirs(out_dir, exist_ok=True)
