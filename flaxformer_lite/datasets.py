@@ -89,29 +89,7 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
             data.num_numbers,
         )
     if data.dataset == "spoken_numbers":
-        from flaxformer_lite.data import speech_synthesis, spoken_numbers
-        from flaxformer_lite.data.spoken_numbers import load_spoken_numbers
-
-        try:
-            return load_spoken_numbers(
-                tfds_dir(data),
-                languages=tuple(data.speech_languages),
-                max_number=data.speech_max_number,
-                num_numbers=data.speech_numbers,
-                always_train_below=data.speech_always_train_below,
-                utterances_per_number=data.speech_utterances_per_number,
-                num_mels=data.num_mels,
-                seed=data.seed,
-                valid_fraction=data.valid_fraction,
-                test_fraction=data.test_fraction,
-                target=data.speech_target,
-                # "tones": one sine per character instead of a voice (tests, no espeak-ng).
-                synthesize=spoken_numbers.tones if data.speech_synthesizer == "tones" else None,
-                voice=data.speech_synthesizer,
-                log=log,
-            )
-        except speech_synthesis.SynthesisUnavailable as e:
-            raise ConfigError(f"data.dataset=spoken_numbers: {e}") from None
+        return _spoken_numbers(data, log)
     if data.dataset == "names":
         from flaxformer_lite.data.names import load_names
 
@@ -163,3 +141,31 @@ def _load(data: DataConfig, log) -> dict[str, Any]:
         tfds_dir=tfds_dir(data),
     )
     return _renamed(splits, names)
+
+
+def _spoken_numbers(data: DataConfig, log) -> dict[str, Any]:
+    """The spoken-number splits (`data/spoken_numbers.py`); a missing synthesizer is a
+    one-line config error."""
+    from flaxformer_lite.data import speech_synthesis, spoken_numbers
+    from flaxformer_lite.data.spoken_numbers import load_spoken_numbers
+
+    try:
+        return load_spoken_numbers(
+            tfds_dir(data),
+            languages=tuple(data.speech_languages),
+            max_number=data.speech_max_number,
+            num_numbers=data.speech_numbers,
+            always_train_below=data.speech_always_train_below,
+            utterances_per_number=data.speech_utterances_per_number,
+            num_mels=data.num_mels,
+            seed=data.seed,
+            valid_fraction=data.valid_fraction,
+            test_fraction=data.test_fraction,
+            target=data.speech_target,
+            # "tones": one sine per character instead of a voice (tests, no espeak-ng).
+            synthesize=spoken_numbers.tones if data.speech_synthesizer == "tones" else None,
+            voice=data.speech_synthesizer,
+            log=log,
+        )
+    except speech_synthesis.SynthesisUnavailable as e:
+        raise ConfigError(f"data.dataset=spoken_numbers: {e}") from None
