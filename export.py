@@ -1,0 +1,57 @@
+"""Export a trained workdir to CTranslate2 or Hugging Face, checked against our model.
+
+python export.py --workdir workdirs/default --to ctranslate2 --out exported/ct2
+python export.py --workdir workdirs/default --to ctranslate2 --out exported/int8 --quantization int8
+python export.py --workdir workdirs/default --to hf --out exported/hf --step best --average 3
+
+Needs the optional extras: pip install -e ".[export]". The output directory holds the
+engine's model, the run's SentencePiece model(s) and flaxformer_lite_export.json (the
+workdir, step, and the largest log-probability difference from our model on probe pairs).
+"""
+
+import sys
+
+from absl import app, flags, logging
+from absl.flags import DEFINE_enum, DEFINE_integer, DEFINE_string
+
+from flaxformer_lite.tools import cli
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    DEFINE_string("workdir", None, "Training workdir written by train.py.", required=True)
+    DEFINE_enum("to", None, ["ctranslate2", "hf"], "The engine to export to.", required=True)
+    DEFINE_string("out", None, "New (or empty) output directory.", required=True)
+    DEFINE_string("step", "latest", "latest (default), latest-good, best, or a step number.")
+    DEFINE_integer("average", 1, "Mean params of the last N checkpoints to --step.", lower_bound=1)
+    DEFINE_string(
+        "quantization",
+        "float32",
+        "CTranslate2 weights: float32, int8, int8_float32, int16, float16 or bfloat16.",
+    )
+    DEFINE_integer(
+        "max_positions", 1024, "Rows of the position table: the longest input or output."
+    )
+    DEFINE_integer("probes", 16, "Probe pairs scored by both models.", lower_bound=1)
+
+
+@cli.friendly_errors
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
+        logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
+    from flaxformer_lite.export import command
+    from flaxformer_lite.export.layout import ExportError
+
+    values = {name: FLAGS[name].value for name in command.Options.__dataclass_fields__}
+    try:
+        command.export(command.Options(**values))
+    except ExportError as e:
+        cli.fail(str(e))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,292 @@
+"""Exported models (CTranslate2, Hugging Face Marian) compute what ours computes.
+
+Two ways of computing the same numbers: our `score` / logits / searches against the
+engine's, on a trained tiny workdir (real text, `export.py` end to end) and on
+randomly perturbed parameters of the variants the workdir does not cover (pre-LN,
+separate vocabularies of different sizes, an untied output layer with its bias, gelu,
+learned positions, d_kv, scanned layers). Skipped without the `export` extras.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, tiny_config, tiny_model_config
+
+from flaxformer_lite.export import command, layout, parity
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+TOLERANCE = 1e-4  # fp32 |log p| difference
+LINES = [f"{lang} {n}" for lang in ("en", "de") for n in (3, 17, 42, 58, 80, 99, 7, 61)]
+
+
+def _has_marian() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_marian = pytest.mark.skipif(not _has_marian(), reason="needs torch and transformers")
+
+
+@pytest.fixture(scope="module")
+def workdir(tfds_dir, tmp_path_factory):
+    from flaxformer_lite.training import loop
+
+    path = str(tmp_path_factory.mktemp("export") / "run")
+    config = tiny_config(tfds_dir, num_steps=80, checkpoint_every=40)
+    config.model.layer_norm_epsilon = 1e-5  # Marian's fixed epsilon: both engines apply
+    loop.train_and_evaluate(config, path, log=lambda s: None)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(workdir):
+    from flaxformer_lite.training import restore
+    from flaxformer_lite.translate import command as decode_command
+    from flaxformer_lite.translate import runner
+
+    run_config, vocab = runner.open_workdir(workdir)
+    params, _ = restore.restore_params(workdir)
+    return decode_command.build_model(run_config), params, vocab, run_config
+
+
+def _export(workdir, to, out, *flags):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "export.py"), "--workdir", workdir, "--to", to]
+        + ["--out", str(out), *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    return proc
+
+
+@pytest.fixture(scope="module")
+def ct2_dir(workdir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ct2") / "model"
+    proc = _export(workdir, "ctranslate2", out)
+    assert proc.returncode == 0, proc.stderr
+    return str(out)
+
+
+def _pairs(vocab, lines):
+    """Real (source ids, target ids) pairs: the source lines and their spelled-out numbers."""
+    from num2words import num2words
+
+    pairs = []
+    for line in lines:
+        lang, n = line.split()
+        pairs.append((vocab.source.encode(line), vocab.target.encode(num2words(int(n), lang=lang))))
+    return pairs
+
+
+def _ours_vs(model, params, pairs, got):
+    want = parity.ours(model, params, [p[0] for p in pairs], [p[1] for p in pairs])
+    return parity.max_difference(want, got)
+
+
+def test_ctranslate2_scores_equal_ours_on_real_pairs(trained, ct2_dir):
+    model, params, vocab, _ = trained
+    pairs = _pairs(vocab, LINES)
+    translator = ctranslate2.Translator(ct2_dir, device="cpu")
+    src = [vocab.source._processor.encode(line, out_type=str) for line in LINES]
+    tgt = [[vocab.target.id_to_piece(i) for i in t] for _, t in pairs]
+    got = parity.ctranslate2_scores(translator, src, tgt, None, None)
+    assert _ours_vs(model, params, pairs, got) < TOLERANCE
+    with open(os.path.join(ct2_dir, command.MANIFEST)) as f:
+        manifest = json.load(f)
+    assert manifest["max_logprob_difference"] < TOLERANCE and manifest["step"] == 80
+    assert os.path.exists(os.path.join(ct2_dir, "vocab.spm"))
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_ctranslate2_search_outputs_equal_ours(trained, ct2_dir, beam):
+    """Greedy, and beam 4 without a length penalty (the two engines normalise lengths
+    differently; without one both rank by the summed log-probability)."""
+    import sentencepiece as spm
+
+    from flaxformer_lite.translate import runner
+
+    model, params, vocab, run_config = trained
+    search = runner.make_search(run_config, beam_size=beam, alpha=0.0)
+    ours = runner.decode_lines(model, params, vocab, run_config, LINES, search=search).texts
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(ct2_dir, "vocab.spm"))
+    translator = ctranslate2.Translator(ct2_dir, device="cpu")
+    results = translator.translate_batch(
+        [sp.encode(line, out_type=str) for line in LINES],
+        beam_size=beam,
+        length_penalty=0.0,
+        max_decoding_length=run_config["data"]["max_target_len"],
+    )
+    theirs = [sp.decode(r.hypotheses[0]) for r in results]
+    assert theirs == ours
+
+
+def test_ctranslate2_int8_stays_close(workdir, trained, tmp_path):
+    out = tmp_path / "int8"
+    proc = _export(workdir, "ctranslate2", out, "--quantization", "int8")
+    assert proc.returncode == 0, proc.stderr
+    model, params, vocab, _ = trained
+    pairs = _pairs(vocab, LINES)
+    translator = ctranslate2.Translator(str(out), device="cpu", compute_type="int8")
+    src = [[vocab.source.id_to_piece(i) for i in s] for s, _ in pairs]
+    tgt = [[vocab.target.id_to_piece(i) for i in t] for _, t in pairs]
+    got = parity.ctranslate2_scores(translator, src, tgt, None, None)
+    difference = _ours_vs(model, params, pairs, got)
+    assert TOLERANCE < difference < 0.1  # quantized, so not exact, but close
+    with open(out / command.MANIFEST) as f:
+        assert json.load(f)["quantization"] == "int8"
+
+
+def _variant(seed=0, **overrides):
+    """A model config, its protocol model and perturbed parameters (no bias is zero)."""
+    from flaxformer_lite.models.autoregressive import AutoregressiveModel
+
+    cfg = tiny_model_config(**overrides)
+    model = AutoregressiveModel(cfg)
+    import flax.linen as nn
+
+    boxed = model.init(jax.random.PRNGKey(seed), {"inputs": (1, 8), "targets": (1, 8)})
+    params = nn.meta.unbox(boxed)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    noisy = [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return cfg, model, jax.tree.unflatten(tree, noisy)
+
+
+def _random_pairs(cfg, count=6, seed=0):
+    rng = np.random.default_rng(seed)
+    target_vocab = cfg.output_vocab_size
+    return [
+        (
+            rng.integers(4, cfg.vocab_size, 2 + 3 * i).tolist(),
+            rng.integers(4, target_vocab, 1 + 2 * i).tolist(),
+        )
+        for i in range(count)
+    ]
+
+
+def _pieces(n, prefix):
+    return ["<pad>", "<unk>", "<s>", "</s>"] + [f"{prefix}{i}" for i in range(4, n)]
+
+
+VARIANTS = {
+    "post_shared": {},
+    "pre_ln": dict(norm="pre"),
+    "separate_sizes": dict(share_embeddings=False, target_vocab_size=37),
+    "untied_gelu": dict(tie_output_embedding=False, activation="gelu"),
+    "learned_dkv": dict(positions="learned", d_kv=12, max_len=64),
+    "scanned_pre": dict(norm="pre", scan_layers=True, layer_norm_epsilon=1e-5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_ctranslate2_variant_scores_equal_ours(name, tmp_path):
+    from flaxformer_lite.export import to_ctranslate2
+
+    cfg, model, params = _variant(**VARIANTS[name])
+    lay = layout.model_layout(params, cfg, position_rows=64)
+    to_ctranslate2.save(
+        lay, _pieces(cfg.vocab_size, "s"), _pieces(cfg.output_vocab_size, "t"), str(tmp_path)
+    )
+    translator = ctranslate2.Translator(str(tmp_path), device="cpu")
+    pairs = _random_pairs(cfg)
+    src = [[f"s{i}" for i in s] for s, _ in pairs]
+    tgt = [[f"t{i}" for i in t] for _, t in pairs]
+    got = parity.ctranslate2_scores(translator, src, tgt, None, None)
+    assert _ours_vs(model, params, pairs, got) < TOLERANCE
+
+
+def _our_logits(cfg, params, pairs):
+    from flaxformer_lite.constants import BOS_ID, EOS_ID
+    from flaxformer_lite.models.transformer import Transformer
+
+    inputs = parity._padded([[*s, EOS_ID] for s, _ in pairs])
+    decoder_inputs = parity._padded([[BOS_ID, *t] for _, t in pairs])
+    logits = np.asarray(Transformer(cfg).apply({"params": params}, inputs, decoder_inputs))
+    return [logits[i, : len(t) + 1] for i, (_, t) in enumerate(pairs)]
+
+
+@needs_marian
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(layer_norm_epsilon=1e-5),
+        dict(layer_norm_epsilon=1e-5, share_embeddings=False, target_vocab_size=37),
+        dict(layer_norm_epsilon=1e-5, tie_output_embedding=False, activation="gelu"),
+    ],
+    ids=["shared", "separate_sizes", "untied_gelu"],
+)
+def test_marian_logits_equal_ours(overrides):
+    from flaxformer_lite.export import to_huggingface
+
+    cfg, model, params = _variant(**overrides)
+    marian = to_huggingface.build_model(layout.model_layout(params, cfg), max_positions=64)
+    pairs = _random_pairs(cfg)
+    scores, logits = parity.marian_scores(marian, [s for s, _ in pairs], [t for _, t in pairs])
+    assert _ours_vs(model, params, pairs, scores) < TOLERANCE
+    for theirs, ours in zip(logits, _our_logits(cfg, params, pairs), strict=True):
+        np.testing.assert_allclose(theirs[:, : cfg.output_vocab_size], ours, atol=TOLERANCE)
+        assert np.all(theirs[:, cfg.output_vocab_size :] < -1e8)  # padding never wins
+
+
+@needs_marian
+def test_marian_export_end_to_end(workdir, trained, tmp_path):
+    """export.py --to hf; the saved model and tokenizer reload and decode as ours."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    from flaxformer_lite.translate import runner
+
+    proc = _export(workdir, "hf", tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    model, params, vocab, run_config = trained
+    marian = MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = MarianTokenizer.from_pretrained(tmp_path / "hf")
+    batch = tokenizer(LINES, return_tensors="pt", padding=True)
+    for line, ids in zip(LINES, batch["input_ids"].tolist(), strict=True):
+        assert [i for i in ids if i] == [*vocab.source.encode(line), 3]  # same ids as ours
+    max_len = run_config["data"]["max_target_len"]
+    generated = marian.generate(**batch, num_beams=1, do_sample=False, max_new_tokens=max_len)
+    theirs = tokenizer.batch_decode(generated, skip_special_tokens=True)
+    search = runner.make_search(run_config, beam_size=1)
+    ours = runner.decode_lines(model, params, vocab, run_config, LINES, search=search).texts
+    assert theirs == ours
+
+
+@needs_marian
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(norm="pre", layer_norm_epsilon=1e-5), "model.norm"),
+        (dict(), "model.layer_norm_epsilon"),
+        (dict(positions="learned", layer_norm_epsilon=1e-5), "model.positions"),
+    ],
+)
+def test_marian_refuses_what_it_cannot_compute(overrides, field):
+    from flaxformer_lite.export import to_huggingface
+
+    with pytest.raises(layout.ExportError, match=field):
+        to_huggingface.check_representable(tiny_model_config(**overrides))
+
+
+def test_refusals_are_one_line(workdir, ct2_dir, tmp_path):
+    proc = _export(workdir, "ctranslate2", ct2_dir)  # not empty: never written over
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ")
+    assert "already exists" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = _export(workdir, "ctranslate2", tmp_path / "q", "--quantization", "int3")
+    assert proc.returncode == 2 and "int3" in proc.stderr and not os.path.exists(tmp_path / "q")
+    cfg = tiny_model_config()
+    for run_config, what in (({"nat": {}}, "nat"), ({"copy": {}}, "copy")):
+        with pytest.raises(layout.ExportError, match=what):
+            layout.check_exportable(run_config, cfg, "CTranslate2")
+    with pytest.raises(layout.ExportError, match="input_features"):
+        layout.check_exportable({}, tiny_model_config(input_features=8), "CTranslate2")
