@@ -5,6 +5,7 @@ python bench.py --mode train --batch 16 --source_len 64 --target_len 64
 python bench.py --mode decode --json bench.json
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
+python bench.py --mode decode --compare ctranslate2   # vs CTranslate2 on the same weights
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
 python bench.py --mode train --config configs/default.py --scheduled_sampling argmax
 python bench.py --length_sweep 256,512,1024,2048,4096,8192,16384 --window 64
@@ -51,10 +52,21 @@ flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 flags.DEFINE_enum(
     "compare",
     None,
-    ["torch", "torch_compile"],
-    "Training: also time a torch.nn.Transformer of the same sizes on the same batch, "
-    "alternating with ours (needs PyTorch: pip install -e '.[torch]').",
+    ["torch", "torch_compile", "ctranslate2"],
+    "Training (torch, torch_compile): also time a torch.nn.Transformer of the same sizes on "
+    "the same batch, alternating with ours (needs PyTorch: pip install -e '.[torch]'). "
+    "Decoding (ctranslate2): the same weights exported to CTranslate2 float32 and int8, "
+    "greedy and beam at each --compare_batches, interleaved (pip install -e '.[export]').",
 )
+flags.DEFINE_list("compare_batches", ["1", "16", "32"], "--compare ctranslate2: batch sizes.")
+flags.DEFINE_string(
+    "compare_workdir",
+    None,
+    "--compare ctranslate2: also decode --compare_input with this trained workdir's model in "
+    "all three engines and score sacreBLEU against --compare_reference.",
+)
+flags.DEFINE_string("compare_input", None, "--compare_workdir: source lines.")
+flags.DEFINE_string("compare_reference", None, "--compare_workdir: reference lines.")
 flags.DEFINE_enum(
     "scheduled_sampling",
     None,

@@ -290,3 +290,38 @@ def test_refusals_are_one_line(workdir, ct2_dir, tmp_path):
             layout.check_exportable(run_config, cfg, "CTranslate2")
     with pytest.raises(layout.ExportError, match="input_features"):
         layout.check_exportable({}, tiny_model_config(input_features=8), "CTranslate2")
+
+
+def test_compare_benchmark_times_every_engine_on_equal_work():
+    """bench.py --compare ctranslate2's figures, at a size that runs in seconds."""
+    from flaxformer_lite.tools import engine_compare
+
+    cfg = tiny_model_config(vocab_size=40, dropout_rate=0.0)
+    out = engine_compare.compare_decode_benchmark(
+        cfg, batch_sizes=(1, 3), source_len=6, new_tokens=5, beam_size=2, repeats=1, log=print
+    )
+    rows = out["rows"]
+    assert [(r["search"], r["batch"]) for r in rows] == [
+        ("greedy", 1), ("greedy", 3), ("beam2", 1), ("beam2", 3)
+    ]  # fmt: skip
+    for r in rows:
+        for name in engine_compare.ENGINES:
+            assert r[f"{name}_s"] > 0
+            assert r[f"{name}_tokens_per_s"] == pytest.approx(r["batch"] * 5 / r[f"{name}_s"])
+        assert r["ct2_fp32_over_ours"] == pytest.approx(r["ours_fp32_s"] / r["ct2_fp32_s"])
+
+
+def test_compare_file_bleu_scores_the_same_outputs(workdir, tmp_path):
+    """Greedy CTranslate2 fp32 output is ours line for line, so BLEU is equal too."""
+    from num2words import num2words
+
+    from flaxformer_lite.tools import engine_compare
+
+    source, reference = tmp_path / "src", tmp_path / "ref"
+    source.write_text("\n".join(LINES) + "\n")
+    words = [num2words(int(n), lang=lang) for lang, n in (line.split() for line in LINES)]
+    reference.write_text("\n".join(words) + "\n")
+    out = engine_compare.file_bleu(workdir, str(source), str(reference), beam_size=2)
+    assert out["greedy_ct2_fp32"]["same_as_ours"] == 1.0
+    assert out["greedy_ct2_fp32"]["bleu"] == out["greedy_ours_fp32"]["bleu"]
+    assert set(out) == {f"{s}_{e}" for s in ("greedy", "beam2") for e in engine_compare.ENGINES}

@@ -180,6 +180,9 @@ def _length_sweep(opts: Options, log) -> list[dict]:
 
 def check_compare(opts: Options) -> None:
     """Fails early, in one line, when `--compare` cannot run."""
+    if opts.flags.compare == "ctranslate2":
+        _check_compare_ctranslate2(opts.flags)
+        return
     if opts.flags.mode not in ("all", "train"):
         cli.fail(
             f"--compare times training; use it with --mode train or all, not {opts.flags.mode}"
@@ -191,6 +194,53 @@ def check_compare(opts: Options) -> None:
             f"--compare {opts.flags.compare} needs PyTorch, which is not installed; "
             'pip install -e ".[torch]"'
         )
+
+
+def _check_compare_ctranslate2(f) -> None:
+    if f.mode != "decode":
+        cli.fail(f"--compare ctranslate2 times decoding; use it with --mode decode, not {f.mode}")
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        cli.fail("--compare ctranslate2 needs CTranslate2, which is not installed; "
+                 'pip install -e ".[export]"')  # fmt: skip
+    try:
+        batches = [int(b) for b in f.compare_batches]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        cli.fail(f"--compare_batches takes positive integers, got {','.join(f.compare_batches)}")
+    given = [f.compare_workdir, f.compare_input, f.compare_reference]
+    if any(given) and not all(given):
+        cli.fail("--compare_workdir, --compare_input and --compare_reference go together")
+    for path in given[1:]:
+        if path and not os.path.isfile(path):
+            cli.fail(f"{path} is not a file")
+
+
+def _compare_ctranslate2(f, config, log) -> dict:
+    from flaxformer_lite.tools import engine_compare
+
+    log(
+        f"decoding against CTranslate2 on the same (random) weights: source {f.source_len}, "
+        f"{f.new_tokens} new tokens, median of {f.repeats} interleaved rounds"
+    )
+    log(engine_compare.HEADER)
+    results = engine_compare.compare_decode_benchmark(
+        config.replace(dropout_rate=0.0),
+        batch_sizes=tuple(int(b) for b in f.compare_batches),
+        source_len=f.source_len,
+        new_tokens=f.new_tokens,
+        beam_size=f.beam_size,
+        repeats=f.repeats,
+        log=log,
+    )
+    if f.compare_workdir:
+        log(f"{f.compare_workdir} on {f.compare_input}, all of it, batch 32:")
+        results["file"] = engine_compare.file_bleu(
+            f.compare_workdir, f.compare_input, f.compare_reference, beam_size=f.beam_size, log=log
+        )
+    return results
 
 
 def _describe(config, log) -> None:
@@ -280,7 +330,9 @@ def run(opts: Options) -> dict:
     results = {"config": config.to_dict(), "host_malloc_reuse": host_memory.applied()}
     if f.mode in ("all", "train"):
         results["train"] = _train(f, config, log)
-    if f.mode in ("all", "decode"):
+    if f.compare == "ctranslate2":
+        results["compare_ctranslate2"] = _compare_ctranslate2(f, config, log)
+    elif f.mode in ("all", "decode"):
         results["decode"] = _decode(f, config, log)
     if f.mode == "sweep":
         _sweep(opts, results)
