@@ -16,10 +16,14 @@ length, D d_model, V vocabulary, L decoder cache length, N heads, H head dim).
 Decoding state (the only cache layout in the project):
 
   cache = {
-    "layers": [{"k": [B, L, N, H], "v": [B, L, N, H]}] * num_decoder_layers,
+    "layers": [{"k": [B, N, H, L], "v": [B, N, L, H]}] * num_decoder_layers,
     "index": int32 scalar,  # positions already written; the next token's position
   }
-  cross_kv = [(k [B, S, N, H], v [B, S, N, H])] * num_decoder_layers
+  cross_kv = [(k [B, N, H, S], v [B, N, S, H])] * num_decoder_layers
+
+Heads come first and keys are stored transposed (the teacher-forced path keeps
+[B, S, N, H]): a step's attention then reads every cache tensor once, as it lies
+(`nn/attention.cached_attention`).
 
 `cache` holds the decoder self-attention keys/values of the positions decoded
 so far (zeros beyond `index`); `cross_kv` holds the cross-attention
@@ -226,8 +230,12 @@ class Decoder(nn.Module):
         return self._outputs(y, embedded, features)
 
     def cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-        """Every layer's cross-attention keys/values: [(k, v) [B, S, N, H]] * layers."""
-        return [layer.cross_attention.project_kv(encoded) for layer in self.layers]
+        """Every layer's cross-attention keys [B, N, H, S] and values [B, N, S, H]."""
+        out = []
+        for layer in self.layers:
+            k, v = layer.cross_attention.project_kv(encoded)  # each [B, S, N, H]
+            out.append((k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)))
+        return out
 
     def step(
         self,
@@ -249,7 +257,7 @@ class Decoder(nn.Module):
         index = cache["index"]
         batch, length = tokens.shape
         positions = index + jnp.arange(length)  # [T]
-        cache_len = cache["layers"][0]["k"].shape[1]
+        cache_len = cache["layers"][0]["v"].shape[2]  # values [B, N, L, H]
         self_mask = masks.cache_mask(positions, cache_len, batch, self.config.decoder_window)
         cross_mask = masks.cross_mask(source_valid, length)  # [B, T, S]
         embedded = self.embed(tokens)
@@ -474,8 +482,11 @@ class Transformer(nn.Module):
 
 def init_cache(config: TransformerConfig, batch: int, max_len: int) -> dict:
     """An empty decoder cache for `batch` rows and `max_len` positions (zeros, index 0)."""
-    shape = (batch, max_len, config.num_heads, config.head_dim)
-    layer = lambda: {"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
+    n, h = config.num_heads, config.head_dim
+    layer = lambda: {
+        "k": jnp.zeros((batch, n, h, max_len), config.dtype),
+        "v": jnp.zeros((batch, n, max_len, h), config.dtype),
+    }
     return {
         "layers": [layer() for _ in range(config.num_decoder_layers)],
         "index": jnp.zeros((), jnp.int32),

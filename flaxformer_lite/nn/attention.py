@@ -85,6 +85,41 @@ def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | N
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
+def cached_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The core's formula over keys/values kept in the decoding layout.
+
+    A decoding step reads the whole cache, so its layout decides the step's cost: keys
+    are kept as [B, N, H, S] and values as [B, N, S, H]. For one query per row (a
+    search step) both contractions are then sums over a major axis of contiguous
+    vectors, which XLA fuses with the multiply, where the batched matmuls of the
+    teacher-forced [B, S, N, H] layout transposed every cache tensor at every step and
+    ran B * N tiny matmuls (PERF.md). Several queries (a forced prefix) use einsum.
+
+    Args:
+      q: [batch, q_len, heads, d_k] the new queries.
+      k: [batch, heads, d_k, kv_len]; v: [batch, heads, kv_len, d_v].
+      mask: bool[batch, q_len, kv_len].
+    Returns:
+      (out [batch, q_len, heads, d_v], weights float32[batch, heads, q_len, kv_len]).
+    """
+    if q.shape[1] == 1:
+        qn = q[:, 0, :, :, None].astype(jnp.float32)  # [B, N, H, 1]
+        scores = jnp.sum(qn * k.astype(jnp.float32), axis=2)[:, :, None, :]  # [B, N, 1, S]
+    else:
+        scores = jnp.einsum("btnh,bnhs->bnts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+    scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1)  # float32 [B, N, T, S]
+    if q.shape[1] == 1:
+        w = weights[:, :, 0, :, None].astype(v.dtype)  # [B, N, S, 1]
+        out = jnp.sum(w * v, axis=2)[:, None]  # [B, 1, N, H]
+    else:
+        out = jnp.einsum("bnts,bnsh->btnh", weights.astype(v.dtype), v)
+    return out, weights
+
+
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
     """The probabilities of `batched_attention` alone: float32[batch, heads, q_len, kv_len].
 
@@ -195,10 +230,14 @@ class MultiHeadAttention(nn.Module):
           deterministic: disables attention dropout.
           inputs_kv: cross-attention only: [batch, kv_len, d_model] encoder output
             (unused when `cross_kv` is given).
-          cross_kv: cross-attention only: precomputed `project_kv` output.
-          cache: self-attention only: {"k", "v": [batch, max_len, heads,
-            head_dim], "index": int32 scalar}. The new keys/values are written
-            at [index, index + q_len) and attention runs over the whole cache.
+          cross_kv: cross-attention only, decoding: the `project_kv` output in the
+            decoding layout, keys [batch, heads, head_dim, kv_len] and values [batch,
+            heads, kv_len, head_dim] (`cached_attention`).
+          cache: self-attention only: {"k": [batch, heads, head_dim, max_len], "v":
+            [batch, heads, max_len, head_dim], "index": int32 scalar}. The new keys and
+            values are written at [index, index + q_len) and attention runs over the
+            whole cache
+            (`cached_attention`; no dropout: decoding is deterministic).
         Returns:
           (output [batch, q_len, d_model], the updated cache or None).
         """
@@ -207,7 +246,11 @@ class MultiHeadAttention(nn.Module):
         q, k, v, new_cache = self._qkv(inputs_q.astype(dt), inputs_kv, cross_kv, cache)
         capture = self.capture and self.is_mutable_collection("intermediates")
         dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
-        if isinstance(mask, LocalMask):
+        if cache is not None or cross_kv is not None:  # decoding: k [B, N, H, S], v [B, N, S, H]
+            out, weights = cached_attention(q, k, v, mask)
+            if capture:
+                self.sow("intermediates", "attention_weights", weights)
+        elif isinstance(mask, LocalMask):
             out = self._local(q, k, v, mask, capture, dropout)
         elif cfg.attention_impl == "fast" and not dropout:
             out = fast_attention(q, k, v, mask)  # [B, T, N, H]
@@ -250,10 +293,14 @@ class MultiHeadAttention(nn.Module):
             qkv = project(x, w.transpose(0, 2, 1, 3)) + b.transpose(1, 0, 2)  # [B, T, N, 3, H]
             q, k, v = (qkv[..., i, :] for i in range(3))  # each [B, T, N, H]
             return q, k, v, None
-        # A decoding step is bound by reading the weights: use each slice where
-        # it lies instead of re-laying out the kernel.
-        q, k, v = (project(x, w[:, i]) + b[i] for i in range(3))  # each [B, T, N, H]
-        at = (0, cache["index"], 0, 0)
-        k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at)
-        v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)
+        # A decoding step is bound by reading the weights: one matmul over the kernel as
+        # it lies ([D, 3, N, H] merges to [D, 3*N*H] for free); slicing the kernel per
+        # projection made XLA copy the slices at every step.
+        qkv = project(x, w) + b  # [B, T, 3, N, H]
+        q, k, v = (qkv[:, :, i] for i in range(3))  # each [B, T, N, H]
+        i = cache["index"]  # keys [B, N, H, L], values [B, N, L, H]
+        k = k.transpose(0, 2, 3, 1).astype(cache["k"].dtype)  # [B, N, H, T]
+        k = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, i))
+        v = v.swapaxes(1, 2).astype(cache["v"].dtype)  # [B, N, T, H]
+        v = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, i, 0))
         return q, k, v, {"k": k, "v": v, "index": cache["index"] + x.shape[1]}

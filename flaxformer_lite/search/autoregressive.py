@@ -87,11 +87,11 @@ def sample_search(
     min_len: int = 0,
     first_tokens: jax.Array | None = None,
 ) -> jax.Array:
-    """Greedy decoding (temperature 0) or sampling, as one `lax.scan` of `max_len` steps.
+    """Greedy decoding (temperature 0) or sampling: a loop of up to `max_len` steps.
 
     Each row draws from its own key stream (the step key folded with the row
     index), so a row's sample does not depend on the batch it sits in. Once a
-    row has emitted EOS it emits PAD_ID.
+    row has emitted EOS it emits PAD_ID; once every row has, the loop stops.
 
     Args:
       rng: PRNG key; required when temperature > 0.
@@ -132,8 +132,25 @@ def sample_search(
         jnp.zeros((batch_size,), jnp.bool_),
         cache,
     )
-    _, tokens = jax.lax.scan(step, init, jnp.arange(max_len))  # [L, B]
-    return tokens.T
+    return _loop_until_done(step, init, max_len, batch_size).T
+
+
+def _loop_until_done(step, init, max_len: int, batch_size: int) -> jax.Array:
+    """`lax.scan(step, init, arange(max_len))`'s outputs int32[max_len, B], as a
+    `lax.while_loop` that stops once every row emitted EOS (init[1], the done flags,
+    all set); the steps it skips would have written PAD_ID, as the buffer holds."""
+
+    def cond(loop):
+        i, carry, _ = loop
+        return (i < max_len) & ~jnp.all(carry[1])
+
+    def body(loop):
+        i, carry, tokens = loop
+        carry, nxt = step(carry, i)
+        return i + 1, carry, jax.lax.dynamic_update_index_in_dim(tokens, nxt, i, 0)
+
+    tokens = jnp.full((max_len, batch_size), PAD_ID, jnp.int32)
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), init, tokens))[2]
 
 
 def _choose_tokens(
