@@ -278,6 +278,18 @@ def test_marian_refuses_what_it_cannot_compute(overrides, field):
         to_huggingface.check_representable(tiny_model_config(**overrides))
 
 
+def test_export_of_an_earlier_step(workdir, tmp_path):
+    """--step picks the checkpoint; the export checks itself against that step's model."""
+    proc = _export(workdir, "ctranslate2", tmp_path / "s40", "--step", "40", "--probes", "4")
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "s40" / command.MANIFEST) as f:
+        manifest = json.load(f)
+    assert manifest["step"] == 40 and manifest["max_logprob_difference"] < TOLERANCE
+    proc = _export(workdir, "ctranslate2", tmp_path / "s7", "--step", "7")
+    assert proc.returncode == 2 and "--step 7" in proc.stderr and "40, 80" in proc.stderr
+    assert not os.path.exists(tmp_path / "s7")
+
+
 def test_refusals_are_one_line(workdir, ct2_dir, tmp_path):
     proc = _export(workdir, "ctranslate2", ct2_dir)  # not empty: never written over
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ")

@@ -91,11 +91,9 @@ def cached_attention(
     """The core's formula over keys/values kept in the decoding layout.
 
     A decoding step reads the whole cache, so its layout decides the step's cost: keys
-    are kept as [B, N, H, S] and values as [B, N, S, H]. For one query per row (a
-    search step) both contractions are then sums over a major axis of contiguous
-    vectors, which XLA fuses with the multiply, where the batched matmuls of the
-    teacher-forced [B, S, N, H] layout transposed every cache tensor at every step and
-    ran B * N tiny matmuls (PERF.md). Several queries (a forced prefix) use einsum.
+    are kept as [B, N, H, S] and values as [B, N, S, H], heads first, so both batched
+    matmuls read the cache as it lies, where the teacher-forced [B, S, N, H] layout
+    made XLA transpose every cache tensor at every step (PERF.md).
 
     Args:
       q: [batch, q_len, heads, d_k] the new queries.
@@ -104,19 +102,11 @@ def cached_attention(
     Returns:
       (out [batch, q_len, heads, d_v], weights float32[batch, heads, q_len, kv_len]).
     """
-    if q.shape[1] == 1:
-        qn = q[:, 0, :, :, None].astype(jnp.float32)  # [B, N, H, 1]
-        scores = jnp.sum(qn * k.astype(jnp.float32), axis=2)[:, :, None, :]  # [B, N, 1, S]
-    else:
-        scores = jnp.einsum("btnh,bnhs->bnts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btnh,bnhs->bnts", q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
     scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # float32 [B, N, T, S]
-    if q.shape[1] == 1:
-        w = weights[:, :, 0, :, None].astype(v.dtype)  # [B, N, S, 1]
-        out = jnp.sum(w * v, axis=2)[:, None]  # [B, 1, N, H]
-    else:
-        out = jnp.einsum("bnts,bnsh->btnh", weights.astype(v.dtype), v)
+    out = jnp.einsum("bnts,bnsh->btnh", weights.astype(v.dtype), v)
     return out, weights
 
 

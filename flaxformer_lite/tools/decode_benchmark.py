@@ -203,7 +203,7 @@ def _prefix_step_timings(
         model.module, params, inputs, max_len=capacity, bos_id=BOS
     )
     # The cache is donated, as in the search loop, so a step writes it in place
-    # instead of copying every layer's [B, L, N, H] keys and values.
+    # instead of copying every layer's keys and values.
     one_step = jax.jit(tokens_to_logits, donate_argnums=1)
     tokens = jnp.full((inputs.shape[0], 1), 5, jnp.int32)
     results: dict[str, float] = {}
