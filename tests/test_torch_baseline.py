@@ -130,7 +130,7 @@ def no_torch(monkeypatch):
     """Makes `import torch` fail as when it is not installed."""
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.delitem(sys.modules, "flaxformer_lite.tools.torch_baseline", raising=False)
-    monkeypatch.delattr(flaxformer_lite, "torch_baseline", raising=False)
+    monkeypatch.delattr(flaxformer_lite.tools, "torch_baseline", raising=False)
 
 
 def test_without_torch_the_library_says_how_to_install_it(no_torch):

@@ -128,11 +128,11 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
         from flaxformer_lite.export import to_huggingface
 
         to_huggingface.check_representable(cfg)
-        to_huggingface._import()
+        to_huggingface.require()
     else:
         from flaxformer_lite.export import to_ctranslate2
 
-        to_ctranslate2._import()
+        to_ctranslate2.require()
         if o.quantization not in to_ctranslate2.QUANTIZATIONS:
             raise ExportError(
                 f"--quantization {o.quantization!r} is not one of "

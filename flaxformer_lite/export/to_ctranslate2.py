@@ -24,7 +24,8 @@ from flaxformer_lite.export.layout import Attention, ExportError, Layer, ModelLa
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
 
 
-def _import():
+def require():
+    """CTranslate2's spec modules, or an ExportError that says how to install them."""
     try:
         import ctranslate2  # noqa: F401
         from ctranslate2.specs import common_spec, transformer_spec
@@ -89,7 +90,7 @@ def _stack(spec, stack: Stack, d_model: int, rows: int) -> None:
 
 def build_spec(layout: ModelLayout, source_pieces: list[str], target_pieces: list[str]):
     """The CTranslate2 `TransformerSpec` of `layout`, vocabularies registered, not yet saved."""
-    common_spec, transformer_spec = _import()
+    common_spec, transformer_spec = require()
     cfg = layout.config
     pre = cfg.norm == "pre"
     activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELUTanh}

@@ -37,7 +37,8 @@ PADDED_LOGIT = -1e9
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu_new"}  # flax's nn.gelu is the tanh approximation
 
 
-def _import():
+def require():
+    """(torch, transformers), or an ExportError that says how to install them."""
     try:
         import torch
         import transformers
@@ -120,7 +121,7 @@ def _state_dict(layout: ModelLayout, vocab: int) -> dict[str, np.ndarray]:
 
 def marian_config(layout: ModelLayout, vocab: int, max_positions: int):
     """The `MarianConfig` of `layout` (ids as ours: PAD 0, BOS 2 starts, EOS 3 ends)."""
-    _, transformers = _import()
+    _, transformers = require()
     cfg = layout.config
     return transformers.MarianConfig(
         vocab_size=vocab,
@@ -164,7 +165,7 @@ def _check_positions(model, d_model: int) -> None:
 def build_model(layout: ModelLayout, max_positions: int = 1024):
     """A `MarianMTModel` (eval mode) holding `layout`'s weights."""
     check_representable(layout.config)
-    torch, transformers = _import()
+    torch, transformers = require()
     vocab = max(len(layout.encoder.embedding), len(layout.decoder.embedding))
     model = transformers.MarianMTModel(marian_config(layout, vocab, max_positions)).eval()
     state = {k: torch.from_numpy(np.array(v)) for k, v in _state_dict(layout, vocab).items()}
@@ -197,7 +198,7 @@ def save(
         the vocabulary is shared).
       pieces: the (source, target) pieces in id order.
     """
-    _, transformers = _import()
+    _, transformers = require()
     model = build_model(layout, max_positions)
     model.generation_config.update(
         decoder_start_token_id=BOS_ID,
