@@ -105,6 +105,25 @@ def _exported_scores(o: Options, directory: str, vocab, pairs):
     return parity.marian_scores(model, sources, targets)[0]
 
 
+def _check_engine(o: Options, run_config: dict, cfg) -> str:
+    """Refuses, before any parameter is read, what the engine cannot run; its name."""
+    from flaxformer_lite.export import to_ctranslate2, to_huggingface
+
+    engine = "CTranslate2" if o.to == "ctranslate2" else "Hugging Face"
+    check_exportable(run_config, cfg, engine)
+    if o.to == "hf":
+        to_huggingface.check_representable(cfg)
+        to_huggingface.require()
+    else:
+        to_ctranslate2.require()
+        if o.quantization not in to_ctranslate2.QUANTIZATIONS:
+            raise ExportError(
+                f"--quantization {o.quantization!r} is not one of "
+                + ", ".join(to_ctranslate2.QUANTIZATIONS)
+            )
+    return engine
+
+
 def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
     """Runs the export; returns the manifest written next to the model.
 
@@ -115,6 +134,7 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
     import ml_collections
 
     from flaxformer_lite import run_config as run_config_lib
+    from flaxformer_lite.export import to_ctranslate2, to_huggingface  # noqa: F401 (extras)
     from flaxformer_lite.training import restore
     from flaxformer_lite.translate import command as decode_command
     from flaxformer_lite.translate import runner
@@ -122,22 +142,7 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
     _check_options(o)
     run_config, vocab = runner.open_workdir(o.workdir, o.step)
     cfg = run_config_lib.model_config(ml_collections.ConfigDict(run_config))
-    engine = "CTranslate2" if o.to == "ctranslate2" else "Hugging Face"
-    check_exportable(run_config, cfg, engine)
-    if o.to == "hf":
-        from flaxformer_lite.export import to_huggingface
-
-        to_huggingface.check_representable(cfg)
-        to_huggingface.require()
-    else:
-        from flaxformer_lite.export import to_ctranslate2
-
-        to_ctranslate2.require()
-        if o.quantization not in to_ctranslate2.QUANTIZATIONS:
-            raise ExportError(
-                f"--quantization {o.quantization!r} is not one of "
-                + ", ".join(to_ctranslate2.QUANTIZATIONS)
-            )
+    engine = _check_engine(o, run_config, cfg)
     data = run_config["data"]
     rows = max(o.max_positions, data["max_source_len"] + 1, data["max_target_len"] + 1)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)

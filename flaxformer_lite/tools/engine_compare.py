@@ -156,6 +156,38 @@ def _row_line(row: dict) -> str:
     )
 
 
+def _translate_file(translator, pieces, vocab, beam: int, batch_size: int, max_len: int):
+    """(CTranslate2's output texts, warm seconds) for source `pieces`."""
+    results, seconds = _warm_seconds(
+        lambda: translator.translate_batch(
+            pieces, beam_size=beam, max_batch_size=batch_size, max_decoding_length=max_len
+        )
+    )
+    ids = [[vocab.target.piece_to_id(p) for p in r.hypotheses[0]] for r in results]
+    return [vocab.target.decode(i) for i in ids], seconds
+
+
+def _scores(search_name: str, outputs: dict, references, log) -> dict:
+    """BLEU, seconds and the share of lines equal to ours, per engine."""
+    from flaxformer_lite import bleu
+
+    ours = outputs["ours_fp32"][0]
+    results = {}
+    for name, (texts, seconds) in outputs.items():
+        score = bleu.corpus_scores(texts, references)
+        same = sum(a == b for a, b in zip(texts, ours, strict=True)) / len(ours)
+        results[f"{search_name}_{name}"] = {
+            "bleu": score.bleu,
+            "seconds": seconds,
+            "same_as_ours": same,
+        }
+        log(
+            f"{search_name:<6} {name:<9}: BLEU {score.bleu:5.2f}  {seconds:6.1f} s  "
+            f"{same:.1%} of lines identical to ours"
+        )
+    return results
+
+
 def _warm_seconds(fn: Callable[[], object]) -> tuple[object, float]:
     """fn's result and the seconds of its second call (the first compiles our searches)."""
     fn()
@@ -181,7 +213,6 @@ def file_bleu(
     length normalisation, `length_penalty` 1)."""
     import ml_collections
 
-    from flaxformer_lite import bleu
     from flaxformer_lite import run_config as run_config_lib
     from flaxformer_lite.training import restore
     from flaxformer_lite.translate import command as decode_command
@@ -205,7 +236,6 @@ def file_bleu(
         paths = export_pair(params, cfg, source, target, tmp, max(1024, max_len + 1))
         engines = translators(paths, threads)
         for k in (1, beam_size):
-            search_name = "greedy" if k == 1 else f"beam{k}"
             search = runner.make_search(run_config, beam_size=k, alpha=alpha)
             ours, seconds = _warm_seconds(
                 lambda search=search: (
@@ -222,26 +252,6 @@ def file_bleu(
             )
             outputs = {"ours_fp32": (ours, seconds)}
             for name, translator in engines.items():
-                res, seconds = _warm_seconds(
-                    lambda t=translator, k=k: t.translate_batch(
-                        pieces, beam_size=k, max_batch_size=batch_size, max_decoding_length=max_len
-                    )
-                )
-                texts = [
-                    vocab.target.decode([vocab.target.piece_to_id(p) for p in r.hypotheses[0]])
-                    for r in res
-                ]
-                outputs[name] = (texts, seconds)
-            for name, (texts, seconds) in outputs.items():
-                score = bleu.corpus_scores(texts, references)
-                same = sum(a == b for a, b in zip(texts, ours, strict=True)) / len(ours)
-                results[f"{search_name}_{name}"] = {
-                    "bleu": score.bleu,
-                    "seconds": seconds,
-                    "same_as_ours": same,
-                }
-                log(
-                    f"{search_name:<6} {name:<9}: BLEU {score.bleu:5.2f}  {seconds:6.1f} s  "
-                    f"{same:.1%} of lines identical to ours"
-                )
+                outputs[name] = _translate_file(translator, pieces, vocab, k, batch_size, max_len)
+            results.update(_scores("greedy" if k == 1 else f"beam{k}", outputs, references, log))
     return results
