@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from flaxformer_lite.export import parity
+from flaxformer_lite.export import int8_check, parity
 from flaxformer_lite.export.layout import ExportError, check_exportable, model_layout
 
 ENGINES = ("ctranslate2", "hf")
@@ -39,6 +39,7 @@ class Options:
     step: str | int | None = None
     average: int = 1
     quantization: str = "float32"  # ctranslate2 only
+    int8_weight_bits: int = 8  # 7: int8 weights within [-63, 63], safe without VNNI
     max_positions: int = 1024  # rows of the exported position table
     probes: int = 16  # probe pairs scored by both models
 
@@ -59,6 +60,13 @@ def _check_options(o: Options) -> None:
         )
     if o.max_positions < 1:
         raise ExportError(f"--max_positions must be positive, got {o.max_positions}")
+    if o.int8_weight_bits not in int8_check.WEIGHT_BITS:
+        raise ExportError(f"--int8_weight_bits must be 8 or 7, got {o.int8_weight_bits}")
+    if o.int8_weight_bits != 8 and o.quantization not in int8_check.INT8_QUANTIZATIONS:
+        raise ExportError(
+            f"--int8_weight_bits applies to --quantization int8 or int8_float32, "
+            f"not {o.quantization}"
+        )
 
 
 def probe_pairs(vocab, count: int, max_source: int, max_target: int, seed: int = 0):
@@ -124,6 +132,38 @@ def _check_engine(o: Options, run_config: dict, cfg) -> str:
     return engine
 
 
+def _check_int8(o: Options, layout, pieces, staging: str, vocab, pairs, want, log=log):
+    """Measures the int8 model where it was written, in a child process that names its
+    GEMM backend; above `int8_check.INT8_WARNING` also the alternatives, and warns.
+
+    Returns (the largest |log p| difference, manifest fields).
+    """
+    from flaxformer_lite.export import to_ctranslate2
+
+    src = [[vocab.source.id_to_piece(i) for i in s] for s, _ in pairs]
+    tgt = [[vocab.target.id_to_piece(i) for i in t] for _, t in pairs]
+
+    def measure(directory: str, env: dict | None) -> int8_check.Measured:
+        got, backend = int8_check.score_in_child(directory, src, tgt, env)
+        return int8_check.Measured("as exported", parity.max_difference(want, got), backend)
+
+    def rewrite(directory: str, bits: int) -> None:
+        to_ctranslate2.save(layout, *pieces, directory, o.quantization, bits)
+
+    measured = measure(staging, None)
+    extra = {"int8_weight_bits": o.int8_weight_bits, "ct2_int8_backend": measured.backend}
+    log(
+        f"int8 on this machine: max |log p difference| = {measured.difference:.3g} "
+        f"({measured.backend})"
+    )
+    if measured.difference > int8_check.INT8_WARNING:
+        tried = int8_check.alternatives(staging, o.int8_weight_bits, rewrite, measure)
+        log(int8_check.warning(measured, tried))
+        extra["int8_warning"] = True
+        extra["int8_alternatives"] = [dataclasses.asdict(t) for t in tried]
+    return measured.difference, extra
+
+
 def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
     """Runs the export; returns the manifest written next to the model.
 
@@ -156,7 +196,7 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         if o.to == "ctranslate2":
-            to_ctranslate2.save(layout, *pieces, staging, o.quantization)
+            to_ctranslate2.save(layout, *pieces, staging, o.quantization, o.int8_weight_bits)
             for path in dict.fromkeys(spm_files):  # the SentencePiece model(s), as trained
                 shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
         else:  # the tokenizer it saves holds the SentencePiece models (source/target.spm)
@@ -164,8 +204,14 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
         pairs = probe_pairs(vocab, o.probes, data["max_source_len"], data["max_target_len"])
         model = decode_command.build_model(run_config)
         want = parity.ours(model, params, [p[0] for p in pairs], [p[1] for p in pairs])
-        got = _exported_scores(o, staging, vocab, pairs)
-        difference = parity.max_difference(want, got)
+        manifest_extra: dict = {}
+        if o.quantization in int8_check.INT8_QUANTIZATIONS:
+            difference, manifest_extra = _check_int8(
+                o, layout, pieces, staging, vocab, pairs, want, log
+            )
+        else:
+            got = _exported_scores(o, staging, vocab, pairs)
+            difference = parity.max_difference(want, got)
         exact = o.quantization == "float32"
         if exact and not difference <= FP32_TOLERANCE:
             raise ExportError(
@@ -181,6 +227,7 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
             "position_rows": rows,
             "probe_pairs": len(pairs),
             "max_logprob_difference": difference,
+            **manifest_extra,
         }
         with open(os.path.join(staging, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)

@@ -123,13 +123,24 @@ def save(
     target_pieces: list[str],
     out_dir: str,
     quantization: str = "float32",
+    int8_weight_bits: int = 8,
 ) -> None:
-    """Writes the CTranslate2 model (model.bin, config.json, vocabularies) into `out_dir`."""
+    """Writes the CTranslate2 model (model.bin, config.json, vocabularies) into `out_dir`.
+
+    `int8_weight_bits=7` (int8 quantizations only) keeps every int8 weight within
+    [-63, 63], so CPUs without VNNI do not saturate (`int8_check.py`).
+    """
     if quantization not in QUANTIZATIONS:
         raise ExportError(
             f"--quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
         )
     spec = build_spec(layout, source_pieces, target_pieces)
     spec.validate()
-    spec.optimize(quantization=None if quantization == "float32" else quantization)
+    if int8_weight_bits != 8 and quantization in ("int8", "int8_float32"):
+        from flaxformer_lite.export.int8_check import quantize_weights
+
+        spec.optimize(quantization=None)  # aliases shared weights, converts nothing
+        quantize_weights(spec, int8_weight_bits)
+    else:
+        spec.optimize(quantization=None if quantization == "float32" else quantization)
     spec.save(out_dir)
