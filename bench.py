@@ -35,7 +35,18 @@ flags.DEFINE_integer("num_layers", 6, "Encoder and decoder layers each.")
 flags.DEFINE_bool("scan_layers", False, "Run the layers as one lax.scan (faster compile).")
 flags.DEFINE_bool("remat", False, "With --scan_layers: recompute activations in the backward pass.")
 flags.DEFINE_bool("uncached", True, "Also time greedy search without the KV cache.")
-flags.DEFINE_string("dtype", "float32", "Compute dtype (parameters stay float32).")
+flags.DEFINE_enum(
+    "dtype",
+    "auto",
+    ["auto", "float32", "bfloat16", "float16"],
+    "Compute dtype: auto = bfloat16 on GPU/TPU, float32 on CPU (parameters stay float32).",
+)
+flags.DEFINE_enum(
+    "attention_impl",
+    "auto",
+    ["auto", "vmap", "fast", "cudnn", "splash"],
+    "Attention kernel (nn/kernels.py): auto = cuDNN on GPU, splash on TPU, XLA on CPU.",
+)
 flags.DEFINE_list(
     "nat_iterations",
     [],

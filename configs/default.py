@@ -28,15 +28,17 @@ def get_config() -> ml_collections.ConfigDict:
     m.positions = "sinusoidal"  # sinusoidal | learned | none
     m.norm = "post"  # post (paper) | pre
     m.activation = "relu"  # relu | gelu
-    m.attention_impl = "vmap"  # vmap (per-head core) | fast (jax.nn.dot_product_attention)
+    m.attention_impl = "auto"  # auto: cuDNN flash (GPU) | splash (TPU) | XLA; or vmap | fast |
+    # cudnn | splash to force one (nn/kernels.py); one line per run says which runs, and why
     m.encoder_window = 0  # > 0: encoder self-attention only within |i - j| <= r, O(n r); 0 = full
     m.decoder_window = 0  # > 0: decoder self-attention only to i - r <= j <= i; 0 = full
     m.subsampling_layers = 0  # features only: n stride-2 Conv1d + GLU layers (2**n fewer frames)
     m.subsampling_kernel = 5  # odd width of each subsampling conv
     m.subsampling_channels = 256  # channels after each subsampling conv's GLU
     m.layer_norm_epsilon = 1e-6  # added to the variance; 1e-6 as in tensor2tensor
-    m.dtype = "float32"  # matmul dtype ("bfloat16" on TPU/GPU); softmax and loss stay float32
-    m.param_dtype = "float32"  # storage of parameters and optimiser state
+    m.dtype = "auto"  # matmul operands: auto = bfloat16 on GPU/TPU, float32 on CPU; softmax,
+    # LayerNorm statistics, loss and every matmul's accumulation stay float32
+    m.param_dtype = "float32"  # storage of parameters (optim.state_dtype: of Adam's moments)
     m.scan_layers = False  # one lax.scan over layers (faster compiles for deep models)
     m.remat = False  # with scan_layers: recompute activations in the backward pass
 
@@ -95,6 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
     o.eps = 1e-9  # Adam epsilon
     o.weight_decay = 0.0  # decoupled weight decay (AdamW) when > 0
     o.grad_clip_norm = 0.0  # global-norm clipping when > 0
+    o.state_dtype = "float32"  # Adam's moments and update math: float32 | bfloat16 (halves them)
 
     # Device mesh data x fsdp x model (see flaxformer_lite/parallel/partitioning.py); data gets
     # the devices that fsdp and model leave.

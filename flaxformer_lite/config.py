@@ -28,7 +28,7 @@ import jax.numpy as jnp
 POSITIONS = ("sinusoidal", "learned", "none")
 NORMS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu")
-ATTENTION_IMPLS = ("vmap", "fast")
+ATTENTION_IMPLS = ("auto", "vmap", "fast", "cudnn", "splash")  # see nn/kernels.py
 DROPOUT_RNGS = ("hash", "threefry")
 
 
@@ -61,11 +61,11 @@ class TransformerConfig:
     positions: str = "sinusoidal"  # "sinusoidal" | "learned" (Table 3 row E) | "none"
     norm: str = "post"  # "post": LayerNorm(x + Sublayer(x)) as in §3.1; "pre": x + Sublayer(LN(x))
     activation: str = "relu"  # feed-forward non-linearity: "relu" (§3.3) | "gelu"
-    attention_impl: str = "vmap"  # "vmap": per-example/per-head core; "fast": jax.nn kernel
+    attention_impl: str = "auto"  # "auto": cuDNN (GPU) / splash (TPU) / XLA; see nn/kernels.py
     encoder_window: int = 0  # > 0: encoder query i attends keys |i - j| <= r, O(n r); 0 = full
     decoder_window: int = 0  # > 0: decoder query i attends i - r <= j <= i, O(n r); 0 = full
     layer_norm_epsilon: float = 1e-6
-    dtype: Any = jnp.float32  # compute dtype; softmax and loss always run in float32
+    dtype: Any = jnp.float32  # compute dtype ("auto" in run configs: bf16 on GPU/TPU, fp32 CPU)
     param_dtype: Any = jnp.float32  # storage dtype of parameters
     scan_layers: bool = False  # run the layers as one lax.scan (compiles one layer body)
     remat: bool = False  # with scan_layers: recompute layer activations in the backward pass
@@ -185,8 +185,23 @@ def from_mapping(values: dict[str, Any]) -> TransformerConfig:
     values = dict(values)
     for name in ("dtype", "param_dtype"):
         if name in values and isinstance(values[name], str):
-            try:
-                values[name] = jnp.dtype(values[name])
-            except TypeError as e:
-                raise ConfigError(f"model.{name}={values[name]!r} is not a dtype name") from e
+            values[name] = parse_dtype(name, values[name])
     return TransformerConfig(**values)
+
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_dtype(name: str, value: str, platform: str | None = None):
+    """A dtype name as a jnp dtype; "auto" (compute dtype only) is the platform's: bfloat16
+    on GPUs and TPUs, whose matmul units run it at full rate with float32 accumulation,
+    float32 on CPUs, which have no fast bf16 path for it (`precision.py`)."""
+    if value == "auto" and name == "dtype":
+        from flaxformer_lite.nn import kernels
+
+        platform = platform or kernels.target_platform()
+        return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
+    if value not in FLOAT_DTYPES:
+        choices = ", ".join(("auto",) * (name == "dtype") + FLOAT_DTYPES)
+        raise ConfigError(f"model.{name}={value!r} is not a dtype name; use one of {choices}")
+    return jnp.dtype(value)

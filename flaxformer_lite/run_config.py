@@ -65,6 +65,7 @@ BEST_METRICS = {
     "wer": "min",
 }
 SCHEDULES = ("rsqrt", "constant", "cosine")
+STATE_DTYPES = ("float32", "bfloat16")  # optim.state_dtype
 VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 SECTIONS = (
     "model",
@@ -139,6 +140,7 @@ class OptimConfig:
     eps: float = field(1e-9, number(0.0, low_open=True))
     weight_decay: float = field(0.0, number(0.0))
     grad_clip_norm: float = field(0.0, number(0.0))
+    state_dtype: str = field("float32", one_of(*STATE_DTYPES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,8 +290,12 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Checks what can be checked before any data is read (see `parse`). Raises ConfigError."""
+    """Checks what can be checked before any data is read (see `parse`), and that a kernel
+    forced by `model.attention_impl` exists on this platform. Raises ConfigError."""
+    from flaxformer_lite.nn import kernels
+
     parse(config)
+    kernels.check_platform(config.model.attention_impl)
 
 
 def _check_dataset(d: DataConfig) -> None:
@@ -432,6 +438,8 @@ def to_saved_dict(config: ml_collections.ConfigDict, model: TransformerConfig) -
     """JSON-friendly run config with the resolved model config (as saved in a workdir)."""
     out = config.to_dict()
     out["model"] = model.to_dict()
+    if config.model.get("dtype") == "auto":  # the platform's, wherever the workdir is read
+        out["model"]["dtype"] = "auto"
     return _jsonable(out)
 
 

@@ -44,7 +44,8 @@ ENUMS = [
     ("model.positions", ("sinusoidal", "learned", "none")),
     ("model.norm", ("post", "pre")),
     ("model.activation", ("relu", "gelu")),
-    ("model.attention_impl", ("vmap", "fast")),
+    ("model.attention_impl", ("auto", "vmap", "fast")),  # cudnn, splash: a GPU, a TPU
+    ("optim.state_dtype", run_config.STATE_DTYPES),
     ("model.dropout_rng", ("hash", "threefry")),
 ]
 
@@ -54,6 +55,17 @@ def test_every_enumerated_value(flag, choices):
     for choice in choices:
         run_config.validate(with_changes({flag: choice}))
     check_refused({flag: "beem"}, f"{flag}='beem' is not one of {', '.join(choices)}")
+
+
+def test_a_kernel_or_dtype_this_platform_lacks_is_refused():
+    for kernel, device in (("cudnn", "GPU"), ("splash", "TPU")):
+        check_refused(
+            {"model.attention_impl": kernel},
+            f"model.attention_impl={kernel!r} needs a {device}, but JAX runs on cpu; use "
+            "model.attention_impl='auto'",
+        )
+    check_refused({"model.dtype": "float8"}, "model.dtype='float8' is not a dtype name; use one")
+    check_refused({"model.param_dtype": "auto"}, "model.param_dtype='auto' is not a dtype name")
 
 
 @pytest.mark.parametrize(

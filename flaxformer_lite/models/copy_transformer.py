@@ -68,7 +68,9 @@ class CopyTransformer(nn.Module):
         valid = token_validity(inputs) if source_valid is None else source_valid
         segments = None if packing is None else packing["inputs_segments"]
         positions = None if packing is None else packing["inputs_positions"]
-        mask = masks.encoder_mask(valid, segments, self.config.encoder_window)
+        mask = masks.self_attention(
+            valid, segments, causal=False, window=self.config.encoder_window
+        )
         encoded = self.encoder(
             self._embeddable(inputs), mask, deterministic=deterministic, positions=positions
         )

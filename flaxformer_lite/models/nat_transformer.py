@@ -77,7 +77,7 @@ class NATransformer(nn.Module):
         self, inputs: jax.Array, source_valid: jax.Array, *, deterministic: bool = True
     ) -> jax.Array:
         """int[B, S] (or float[B, S, F]) -> [B, S, D]."""
-        mask = masks.encoder_mask(source_valid, window=self.config.encoder_window)
+        mask = masks.self_attention(source_valid, causal=False, window=self.config.encoder_window)
         return self.encoder(inputs, mask, deterministic=deterministic)
 
     def length_logits(self, encoded: jax.Array, source_valid: jax.Array) -> jax.Array:
@@ -115,8 +115,8 @@ class NATransformer(nn.Module):
           copied: [B, T, D] (`copied_inputs`) read at the masked positions, or None.
         """
         width = decoder_inputs.shape[1]
-        self_mask = masks.padding_mask(target_valid, width)  # [B, T, T], not causal
-        cross = masks.cross_mask(source_valid, width)  # [B, T, S]
+        self_mask = masks.self_attention(target_valid, causal=False)  # [B, T, T]
+        cross = masks.cross_attention(source_valid, width)  # [B, T, S]
         vectors = None if copied is None else (decoder_inputs == mask_id, copied)
         return self.decoder(
             encoded,

@@ -79,8 +79,8 @@ class Encoder(nn.Module):
         S' = S except with `config.subsampling_layers` (`nn/subsampling.py`).
 
         Args:
-          mask: bool[B, S', S'] (`masks.encoder_mask` of the encoder-side validity) or,
-            with `config.encoder_window`, a `masks.LocalMask`.
+          mask: a `masks.AttentionMask` of the encoder-side validity (a dense bool[B, S',
+            S'] or a `masks.LocalMask` also work).
           positions: int[B, S], restarting at 0 for each packed example (None: 0..S-1).
           frames_valid: bool[B, S] the input frames' validity; needed with subsampling.
         """
@@ -182,8 +182,8 @@ class Decoder(nn.Module):
         Args:
           encoded: [B, S, D] encoder output.
           decoder_inputs: int[B, T] BOS + target prefix.
-          self_mask: bool[B, T, T] or, with `config.decoder_window`, a `masks.LocalMask`
-            (`masks.decoder_mask`); cross_mask: bool[B, T, S].
+          self_mask: a causal `masks.AttentionMask` (`decoder_masks`; a dense bool[B, T, T]
+            or `masks.LocalMask` also work); cross_mask: an `AttentionMask` or bool[B, T, S].
           positions: int[B, T] restarting at 0 per packed example (None: 0..T-1).
           replacements: scheduled sampling's (use bool[B, T], new): where `use`, the
             input embedding is that of `new`, tokens int[B, T] or embedding weights
@@ -320,17 +320,19 @@ def decoder_masks(
     decoder_inputs: jax.Array,
     packing: dict[str, jax.Array] | None,
     window: int = 0,
-) -> tuple[jax.Array | masks.LocalMask, jax.Array, jax.Array | None]:
-    """A teacher-forced decoder pass's (self mask bool[B, T, T] or with a `window` a
-    `masks.LocalMask`, cross mask bool[B, T, S], positions int[B, T] or None), from the
+) -> tuple[masks.AttentionMask, masks.AttentionMask, jax.Array | None]:
+    """A teacher-forced decoder pass's (self `masks.AttentionMask` [B, T, T], cross
+    `AttentionMask` [B, T, S], positions int[B, T] or None), from the
     source validity bool[B, S] and the gold decoder inputs int[B, T]; packed rows mask by
     segment."""
     tseg = sseg = positions = None
     if packing is not None:
         tseg, sseg = packing["targets_segments"], packing["inputs_segments"]
         positions = packing["targets_positions"]
-    self_mask = masks.decoder_mask(token_validity(decoder_inputs), tseg, window)
-    cross = masks.cross_mask(source_valid, decoder_inputs.shape[1], tseg, sseg)
+    self_mask = masks.self_attention(
+        token_validity(decoder_inputs), tseg, causal=True, window=window
+    )
+    cross = masks.cross_attention(source_valid, decoder_inputs.shape[1], tseg, sseg)
     return self_mask, cross, positions
 
 
@@ -385,8 +387,11 @@ class Transformer(nn.Module):
         valid = self._source_valid(inputs, source_valid)
         segments = None if packing is None else packing["inputs_segments"]
         positions = None if packing is None else packing["inputs_positions"]
-        mask = masks.encoder_mask(
-            self._encoder_valid(valid, packing), segments, self.config.encoder_window
+        mask = masks.self_attention(
+            self._encoder_valid(valid, packing),
+            segments,
+            causal=False,
+            window=self.config.encoder_window,
         )
         return self.encoder(
             inputs, mask, deterministic=deterministic, positions=positions, frames_valid=valid
@@ -448,23 +453,25 @@ class Transformer(nn.Module):
     ) -> jax.Array:
         """Teacher-forced pass: int[B, S] (or float[B, S, F]), int[B, T] -> float32[B, T, V].
 
-        The three masks are built once here (`masks.seq2seq_masks`), from the gold
+        The three masks are built once here (`masks.AttentionMask`s), from the gold
         `decoder_inputs` also when scheduled sampling's `replacements` (see
         `Decoder.__call__`) change what the decoder reads.
         """
         valid = self._source_valid(inputs, source_valid)
         p = packing or {}
-        m = masks.seq2seq_masks(
-            self._encoder_valid(valid, packing),
-            token_validity(decoder_inputs),
+        encoder_valid = self._encoder_valid(valid, packing)
+        encoder_mask = masks.self_attention(
+            encoder_valid,
             p.get("inputs_segments"),
-            p.get("targets_segments"),
-            self.config.encoder_window,
-            self.config.decoder_window,
+            causal=False,
+            window=self.config.encoder_window,
+        )
+        decoder_mask, cross_mask, _ = decoder_masks(
+            encoder_valid, decoder_inputs, packing, self.config.decoder_window
         )
         encoded = self.encoder(
             inputs,
-            m.encoder,
+            encoder_mask,
             deterministic=deterministic,
             positions=p.get("inputs_positions"),
             frames_valid=valid,
@@ -472,8 +479,8 @@ class Transformer(nn.Module):
         return self.decoder(
             encoded,
             decoder_inputs,
-            m.decoder,
-            m.cross,
+            decoder_mask,
+            cross_mask,
             deterministic=deterministic,
             positions=p.get("targets_positions"),
             replacements=replacements,

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.nn import local_attention
+from flaxformer_lite.nn import kernels, local_attention
 from flaxformer_lite.nn.dropout import Dropout
 from flaxformer_lite.nn.layers import project
-from flaxformer_lite.nn.masks import LocalMask
+from flaxformer_lite.nn.masks import AttentionMask, LocalMask, dense
+from flaxformer_lite.nn.precision import dot_f32
 
 # ----------------------------------------------------------------------------
 # The core, for one example and one head.
@@ -41,8 +42,8 @@ def scaled_dot_product_attention(
     Returns:
       (out [q_len, d_v] in v's dtype, weights float32[q_len, kv_len]).
     """
-    scores = jnp.einsum("th,sh->ts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))  # [T, S]
+    scores = dot_f32("th,sh->ts", q, k)  # float32 [T, S]; bf16 x bf16 backward too
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
     if mask is not None:
         # finfo.min rather than -inf: a fully masked row (a padded query) stays
         # finite instead of NaN, and exp(min - max) underflows to exactly 0.0.
@@ -75,14 +76,13 @@ def batched_attention(
 
 
 def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """Same result as `batched_attention` through `jax.nn.dot_product_attention`.
-
-    The library kernel picks cuDNN flash attention on GPUs where it applies;
-    it does not return the weights. Shapes as in `batched_attention`.
+    """Same result as `batched_attention` through `jax.nn.dot_product_attention`'s XLA
+    implementation, which does not return the weights. Shapes as in `batched_attention`.
+    (The fused kernels are in `kernels.py`.)
     """
     if mask is not None:
         mask = mask[:, None, :, :]  # [B, 1, T, S]: broadcast over heads
-    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
 def cached_attention(
@@ -116,7 +116,7 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax
     For the fast path, which does not return them; the same formula as the
     core (scaled scores, masked with finfo.min, softmax in float32).
     """
-    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    scores = dot_f32("bthd,bshd->bhts", q, k)
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
     if mask is not None:
         scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
@@ -197,7 +197,7 @@ class MultiHeadAttention(nn.Module):
     def __call__(
         self,
         inputs_q: jax.Array,
-        mask: jax.Array | None,
+        mask: jax.Array | AttentionMask | LocalMask | None,
         *,
         deterministic: bool,
         inputs_kv: jax.Array | None = None,
@@ -208,15 +208,17 @@ class MultiHeadAttention(nn.Module):
 
         With `capture` set and the "intermediates" collection mutable, the
         attention probabilities float32[batch, heads, q_len, kv_len] are sown
-        as "attention_weights" (on every path: the fast kernel, which does not
-        return them, is then complemented by the same softmax computed here).
+        as "attention_weights" (on every path: a kernel that does not return
+        them is then complemented by the same softmax computed here).
 
         Args:
           inputs_q: [batch, q_len, d_model].
-          mask: bool[batch, q_len, kv_len] (kv_len = cache length with a cache), or
-            for windowed self-attention without a cache a `masks.LocalMask`: then both
-            impls run the blocked O(n * r) kernel (`local_attention.py`), and `capture`
-            scatters its weights into the dense [batch, heads, q_len, q_len] layout.
+          mask: a `masks.AttentionMask` (what the model passes: fused kernels read its
+            structure, `kernels.py`), a dense bool[batch, q_len, kv_len] (kv_len = cache
+            length with a cache), or for windowed self-attention a `masks.LocalMask`.
+            A window runs the blocked O(n * r) kernel on XLA (`local_attention.py`), and
+            `capture` scatters its weights into the dense [batch, heads, q_len, q_len]
+            layout.
           deterministic: disables attention dropout.
           inputs_kv: cross-attention only: [batch, kv_len, d_model] encoder output
             (unused when `cross_kv` is given).
@@ -237,24 +239,47 @@ class MultiHeadAttention(nn.Module):
         capture = self.capture and self.is_mutable_collection("intermediates")
         dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
         if cache is not None or cross_kv is not None:  # decoding: k [B, N, H, S], v [B, N, S, H]
-            out, weights = cached_attention(q, k, v, mask)
+            out, weights = cached_attention(q, k, v, dense(mask))
             if capture:
                 self.sow("intermediates", "attention_weights", weights)
-        elif isinstance(mask, LocalMask):
-            out = self._local(q, k, v, mask, capture, dropout)
-        elif cfg.attention_impl == "fast" and not dropout:
+        else:
+            out = self._teacher_forced(q, k, v, mask, capture, dropout)
+        y = project(out, self.out_kernel.astype(dt), in_dims=2)  # btnh,nhd->btd
+        return y + self.out_bias.astype(dt), new_cache
+
+    def _teacher_forced(self, q, k, v, mask, capture: bool, dropout: bool) -> jax.Array:
+        """[B, T, N, H] queries over [B, S, N, H] keys/values -> [B, T, N, H], on the kernel
+        `kernels.choose` picks (one line says which, and why, per distinct path)."""
+        if isinstance(mask, LocalMask):
+            return self._local(q, k, v, mask, capture, dropout)
+        choice = kernels.choose(self.config.attention_impl, q, k, mask, dropout=dropout)
+        kernels.report(choice, self._where(mask))
+        if choice.fused:
+            out = kernels.run(choice, q, k, v, mask)
+            if capture:
+                self.sow("intermediates", "attention_weights", attention_weights(q, k, dense(mask)))
+            return out
+        if isinstance(mask, AttentionMask) and mask.window:
+            return self._local(q, k, v, mask.local(), capture, dropout)
+        mask = dense(mask)
+        if choice.kernel == "fast" and not dropout:
             out = fast_attention(q, k, v, mask)  # [B, T, N, H]
             if capture:
                 self.sow("intermediates", "attention_weights", attention_weights(q, k, mask))
-        else:
-            out, weights = batched_attention(q, k, v, mask)
-            if capture:
-                self.sow("intermediates", "attention_weights", weights)
-            if dropout:
-                dropped = self.dropout(weights, deterministic=False)
-                out = jnp.einsum("bnts,bsnh->btnh", dropped.astype(dt), v)
-        y = project(out, self.out_kernel.astype(dt), in_dims=2)  # btnh,nhd->btd
-        return y + self.out_bias.astype(dt), new_cache
+            return out
+        out, weights = batched_attention(q, k, v, mask)
+        if capture:
+            self.sow("intermediates", "attention_weights", weights)
+        if dropout:
+            dropped = self.dropout(weights, deterministic=False)
+            out = jnp.einsum("bnts,bsnh->btnh", dropped.astype(q.dtype), v)
+        return out
+
+    def _where(self, mask) -> str:
+        if not self.self_attention:
+            return "cross-attention"
+        causal = isinstance(mask, AttentionMask | LocalMask) and mask.causal
+        return "decoder self-attention" if causal else "self-attention"
 
     def _local(self, q, k, v, mask: LocalMask, capture: bool, dropout: bool) -> jax.Array:
         """Windowed self-attention: [B, T, N, H] -> [B, T, N, H]."""

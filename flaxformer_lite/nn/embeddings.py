@@ -16,6 +16,7 @@ import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.nn.layers import Dense
+from flaxformer_lite.nn.precision import dot_f32
 
 
 def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
@@ -71,11 +72,8 @@ class Embed(nn.Module):
         One-hot weights give exactly the looked-up vectors of those tokens.
         """
         cfg = self.config
-        x = jnp.einsum(
-            "btv,vd->btd",
-            weights.astype(cfg.dtype),
-            self.embedding.astype(cfg.dtype),
-            preferred_element_type=jnp.float32,
+        x = dot_f32(
+            "btv,vd->btd", weights.astype(cfg.dtype), self.embedding.astype(cfg.dtype)
         ).astype(cfg.dtype)
         return x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
 
@@ -83,11 +81,10 @@ class Embed(nn.Module):
         """Logits against the embedding matrix: [B, T, D] -> float32[B, T, V]."""
         cfg = self.config
         *lead, d = x.shape
-        logits = jnp.einsum(  # over merged positions, as in `project`
-            "md,vd->mv",
-            x.astype(cfg.dtype).reshape(-1, d),
-            self.embedding.astype(cfg.dtype),
-            preferred_element_type=jnp.float32,
+        # Over merged positions, as in `project`; float32 logits from compute-dtype
+        # operands, and compute-dtype matmuls in the backward pass too (`precision.py`).
+        logits = dot_f32(
+            "md,vd->mv", x.astype(cfg.dtype).reshape(-1, d), self.embedding.astype(cfg.dtype)
         )  # [M, V]
         return logits.reshape(*lead, -1)
 

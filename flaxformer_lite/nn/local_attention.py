@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.nn.precision import dot_f32
+
 
 def block_size(length: int, window: int) -> int:
     """C = r: the band of a chunk lies within it and its neighbours; n when shorter."""
@@ -111,7 +113,7 @@ def local_weights(
     num_chunks = -(-length // block)
     qc = _chunk(q, block, num_chunks, 0)  # [B, K, C, N, H]
     kc = _neighbours(k, block, num_chunks, causal, 0)  # [B, K, W, N, H]
-    scores = jnp.einsum("bkcnh,bkwnh->bnkcw", qc, kc, preferred_element_type=jnp.float32)
+    scores = dot_f32("bkcnh,bkwnh->bnkcw", qc, kc)  # float32; bf16 backward (precision.py)
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
     scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(scores, axis=-1)  # float32 [B, N, K, C, W]

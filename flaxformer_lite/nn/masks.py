@@ -70,6 +70,76 @@ class LocalMask(NamedTuple):
     causal: bool
 
 
+class AttentionMask(NamedTuple):
+    """A teacher-forced attention's mask as structure, which fused kernels take directly.
+
+    cuDNN flash attention takes the causal flag, key lengths and a causal window;
+    Pallas splash attention takes a static causal/local pattern and segment ids for
+    padding and packing (`nn/kernels.py`). The XLA path materialises `dense()` (or, with a
+    window, runs the blocked kernel through `local()`). Rows are right-padded: a row's
+    valid keys are a prefix, so `key_valid` is also a length; packed rows (several
+    examples per row, numbered 1, 2, ... with 0 for padding) carry segments.
+
+    Query i attends key j when: key j is valid; (causal) j <= i; (window r > 0) |i - j|
+    <= r, or i - r <= j <= i when causal; (segments) both hold the same example.
+    """
+
+    key_valid: jax.Array  # bool[B, S]
+    query_len: int  # T
+    causal: bool = False
+    window: int = 0  # > 0: a band of this radius (self-attention only)
+    query_segments: jax.Array | None = None  # int[B, T], packed rows only
+    key_segments: jax.Array | None = None  # int[B, S], packed rows only
+
+    @property
+    def packed(self) -> bool:
+        return self.key_segments is not None
+
+    def dense(self) -> jax.Array:
+        """bool[B, T, S], True where a query may attend a key."""
+        t, s = self.query_len, self.key_valid.shape[1]
+        mask = padding_mask(self.key_valid, t)
+        if self.causal or self.window:
+            i = jnp.arange(t)[:, None]
+            j = jnp.arange(s)[None, :]
+            band = j <= i if self.causal else jnp.ones((t, s), jnp.bool_)
+            if self.window:
+                band = band & (j >= i - self.window) & (self.causal | (j <= i + self.window))
+            mask = mask & band
+        if self.packed:
+            mask = mask & segment_mask(self.query_segments, self.key_segments)
+        return mask
+
+    def local(self) -> LocalMask:
+        """The blocked kernel's mask (`local_attention.py`) of a windowed self-attention."""
+        if not self.window or self.query_len != self.key_valid.shape[1]:
+            raise ValueError("local() is for windowed self-attention")
+        return LocalMask(self.key_valid, self.key_segments, self.window, self.causal)
+
+
+def self_attention(
+    valid: jax.Array, segments: jax.Array | None = None, *, causal: bool, window: int = 0
+) -> AttentionMask:
+    """An encoder's (causal=False) or a decoder's (causal=True) self-attention mask, from
+    the validity bool[B, T] (and segments int[B, T] of packed rows)."""
+    return AttentionMask(valid, valid.shape[1], causal, window, segments, segments)
+
+
+def cross_attention(
+    source_valid: jax.Array,
+    target_len: int,
+    target_segments: jax.Array | None = None,
+    source_segments: jax.Array | None = None,
+) -> AttentionMask:
+    """Decoder queries x encoder keys: source padding (and segments of packed rows)."""
+    return AttentionMask(source_valid, target_len, False, 0, target_segments, source_segments)
+
+
+def dense(mask: jax.Array | AttentionMask | None) -> jax.Array | None:
+    """bool[B, T, S] of a dense or structured mask (None stays None)."""
+    return mask.dense() if isinstance(mask, AttentionMask) else mask
+
+
 def cache_mask(positions: jax.Array, cache_len: int, batch: int, window: int = 0) -> jax.Array:
     """Cached decoding: query t (at absolute position positions[t]) sees cache slots <= it.
 

@@ -30,31 +30,40 @@ _SIZE_FLAGS = {
     "num_heads": ("num_heads",),
     "num_layers": ("num_encoder_layers", "num_decoder_layers"),
     "dtype": ("dtype",),
+    "attention_impl": ("attention_impl",),
     "scan_layers": ("scan_layers",),
     "remat": ("remat",),
 }
+
+
+def _size_values(opts: Options, only_present: bool) -> dict:
+    """The model fields the size flags set ("auto" dtype resolved for this platform)."""
+    from flaxformer_lite.config import parse_dtype
+
+    values = {
+        field: getattr(opts.flags, flag)
+        for flag, fields in _SIZE_FLAGS.items()
+        if not only_present or flag in opts.present
+        for field in fields
+    }
+    if "dtype" in values:
+        values["dtype"] = parse_dtype("dtype", values["dtype"])
+    return values
 
 
 def model_config(opts: Options):
     """The model to time: --config's (its data.vocab_size as the vocabulary), or the flags'."""
     from flaxformer_lite import run_config
     from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.nn import kernels
 
+    kernels.check_platform(opts.flags.attention_impl)
     if opts.flags.config is None:
-        values = {
-            field: getattr(opts.flags, flag)
-            for flag, fields in _SIZE_FLAGS.items()
-            for field in fields
-        }
+        values = _size_values(opts, only_present=False)
         return TransformerConfig(dropout_rate=0.1, max_len=1024, **values)
     run_config.validate(opts.flags.config)
     config = run_config.planned_model_config(opts.flags.config)
-    given = {
-        field: getattr(opts.flags, flag)
-        for flag, fields in _SIZE_FLAGS.items()
-        if flag in opts.present
-        for field in fields
-    }
+    given = _size_values(opts, only_present=True)
     if "vocab_size" in given and config.target_vocab_size is None:
         given["target_vocab_size"] = None
     return config.replace(max_len=max(config.max_len, 1024), **given)
@@ -253,6 +262,9 @@ def _describe(config, log) -> None:
         + (", layers scanned" if config.scan_layers else "")
         + (", rematerialised" if config.remat else "")
     )
+    from flaxformer_lite.nn import precision
+
+    log(precision.describe(config))
 
 
 def _train(f, config, log) -> dict:

@@ -29,6 +29,7 @@ from flaxformer_lite.data.common import texts
 from flaxformer_lite.evaluation import exposure_probe
 from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.models.from_config import build_model, has_copy_head, search_from_config
+from flaxformer_lite.nn import precision
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import checkpoints, optim, train_data
@@ -242,6 +243,7 @@ def prepare(
         lambda: _prepare_workdir(config, workdir), "preparing the data and the workdir"
     )
     model = build_model(config, model_cfg)
+    log(precision.describe(model_cfg, config.optim.get("state_dtype", "float32")))
     schedule, tx = optimizer_from_config(config, model_cfg)
     state, shardings = create_state(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len

@@ -57,14 +57,19 @@ def train_step(
         def accumulate(carry, inputs):
             i, mb = inputs
             g, s = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
-            return jax.tree.map(jnp.add, carry, (g, s)), None
+            return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, (g, s)), None
 
         zeros = jax.eval_shape(
             lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], micro), rng)
         )
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
+        # Sums in float32 whatever the parameters' dtype: n bf16 additions would round n times.
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, _accumulator(x.dtype)), zeros)
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(n), micro))
-    grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
+    # The mean over the batch's tokens, in float32, returned in each parameter's dtype: a
+    # bf16 gradient divided by the float32 count would otherwise become float32 and turn
+    # the optimiser's moments float32 too (the update and the kept state must match).
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    grads = jax.tree.map(lambda g, p: (g / tokens).astype(p.dtype), grads, state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.global_norm(grads)
@@ -87,6 +92,10 @@ def train_step(
     code = jnp.where(loss_ok, jnp.where(grad_ok, jnp.where(params_ok, 0.0, 3.0), 1.0), 2.0)
     sums["nonfinite"] = code
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
+
+
+def _accumulator(dtype):
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def jit_train_step(
