@@ -71,8 +71,10 @@ def main(argv):
     if FLAGS.dry_run:
         dry_run.print_parameter_table(FLAGS.config)
         return
-    # A bad value fails here, in one line, before waiting for other hosts or reading data.
-    run_config.validate(FLAGS.config)
+    # A bad value fails here, in one line, before waiting for other hosts or reading data;
+    # what depends on the platform (a forced kernel) is checked once the job is joined,
+    # since JAX's backends must not start before jax.distributed.initialize.
+    run_config.validate(FLAGS.config, platform=False)
     try:
         # Before anything touches devices: the processes must first find each other.
         partitioning.initialize_distributed(

@@ -200,7 +200,8 @@ def parse_dtype(name: str, value: str, platform: str | None = None):
         from flaxformer_lite.nn import kernels
 
         platform = platform or kernels.target_platform()
-        return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
+        # An unknown platform (a config checked before JAX starts) gets a placeholder.
+        return jnp.dtype(jnp.float32 if platform in ("cpu", None) else jnp.bfloat16)
     if value not in FLOAT_DTYPES:
         choices = ", ".join(("auto",) * (name == "dtype") + FLOAT_DTYPES)
         raise ConfigError(f"model.{name}={value!r} is not a dtype name; use one of {choices}")

@@ -42,7 +42,7 @@ CUDNN_MAX_HEAD_DIM = 128  # flash attention's head size limit before Hopper (256
 
 @dataclasses.dataclass(frozen=True)
 class _Target:
-    platform: str
+    platform: str | None  # None: not known yet (`platform_unknown`)
     interpret: bool = False
 
 
@@ -53,8 +53,22 @@ _TARGET: contextvars.ContextVar[_Target | None] = contextvars.ContextVar("target
 def target(platform: str, *, interpret: bool = False):
     """Traces programs inside the block for `platform` ("cpu", "gpu", "tpu"): kernels are
     chosen for it, e.g. when lowering for a TPU from a CPU host. `interpret=True` runs
-    Pallas kernels in interpret mode (numerics tests on a CPU)."""
+    Pallas kernels in interpret mode (numerics tests on a CPU). `jax.jit` caches traces
+    without looking at the target: jit a new function object for each target."""
     token = _TARGET.set(_Target(_platform_name(platform), interpret))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+@contextlib.contextmanager
+def platform_unknown():
+    """Config checks inside the block skip what depends on the platform: a multi-process
+    job must not touch JAX's backends before `jax.distributed.initialize`, so train.py
+    checks the rest of a config first and the platform's part after joining the job.
+    `target_platform()` is None inside; "auto" dtypes resolve to a placeholder."""
+    token = _TARGET.set(_Target(None))
     try:
         yield
     finally:
@@ -65,8 +79,9 @@ def _platform_name(platform: str) -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
-def target_platform() -> str:
-    """The platform programs are traced for: "cpu", "gpu" or "tpu"."""
+def target_platform() -> str | None:
+    """The platform programs are traced for: "cpu", "gpu" or "tpu" (None inside
+    `platform_unknown`)."""
     t = _TARGET.get()
     return t.platform if t is not None else _platform_name(jax.default_backend())
 
@@ -80,7 +95,7 @@ def check_platform(setting: str, platform: str | None = None) -> None:
     """Raises ConfigError when `setting` forces a kernel the platform does not have."""
     platform = platform or target_platform()
     need = KERNEL_PLATFORMS.get(setting)
-    if need is not None and need != platform and not _interpret():
+    if need is not None and platform is not None and need != platform and not _interpret():
         raise ConfigError(
             f"model.attention_impl={setting!r} needs a {need.upper()}, but JAX runs on "
             f"{platform}; use model.attention_impl='auto' (picks the platform's kernel)"
