@@ -7,7 +7,10 @@ checked from this host (JAX's cuDNN version probe stubbed), and the choice logic
 tested on its own.
 """
 
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -186,3 +189,29 @@ def test_cuda_lowering_holds_cudnn_flash_attention(monkeypatch):
     text = _lowered_text(cfg, "gpu")
     targets = set(re.findall(r"custom_call @(__cudnn\$\w+)", text))
     assert any("Backward" in t for t in targets) and any("Backward" not in t for t in targets)
+
+
+def test_config_checked_before_a_job_is_joined_leaves_the_backends_alone():
+    """train.py checks a config before `jax.distributed.initialize`, which refuses to run
+    once JAX has created its backends: the check must not create them, even for
+    model.dtype='auto' and a forced kernel (those are checked after joining)."""
+    code = (
+        "from configs import default\n"
+        "from jax._src import xla_bridge\n"
+        "from flaxformer_lite import run_config\n"
+        "c = default.get_config()\n"
+        "c.model.dtype = 'auto'\n"
+        "c.model.attention_impl = 'splash'\n"
+        "run_config.validate(c, platform=False)\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "try:\n"
+        "    run_config.validate(c)\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ConfigError" in out.stdout and "needs a TPU" in out.stdout, out.stdout
