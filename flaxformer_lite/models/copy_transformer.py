@@ -33,7 +33,7 @@ from flaxformer_lite.models.transformer import (
     encoder_and_decoder,
     token_validity,
 )
-from flaxformer_lite.nn import masks
+from flaxformer_lite.nn import masks, precision
 
 
 class CopyTransformer(nn.Module):
@@ -84,8 +84,12 @@ class CopyTransformer(nn.Module):
             self.variables["intermediates"], (self.copy_name,), self.config
         )[self.copy_name]  # [B, N, T, S]
         attention = pg.copy_attention(weights, self.head.heads)  # [B, T, S]
-        encoded = source["encoded"].astype(jnp.float32)
-        context = jnp.einsum("bts,bsd->btd", attention, encoded)
+        # The context is a [T, S] x [S, D] matmul per example: compute-dtype operands,
+        # float32 result (bf16 on accelerators, as the cross-attention's own product).
+        dtype = self.config.dtype
+        context = precision.dot_f32(
+            "bts,bsd->btd", attention.astype(dtype), source["encoded"].astype(dtype)
+        )
         gate = self.copy_gate(feats["hidden"], feats["embedded"], context)
         return {
             "logits": logits,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import IMPOSSIBLE
+from flaxformer_lite.nn import precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,8 @@ class CopyGate(nn.Module):
                 (cfg.d_model,),
                 cfg.param_dtype,
             )
-            total = total + jnp.einsum("btd,d->bt", x.astype(jnp.float32), w.astype(jnp.float32))
+            x, w = x.astype(cfg.dtype), w.astype(cfg.dtype)
+            total = total + precision.dot_f32("btd,d->bt", x, w)
         bias = self.param(
             "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ()), (), jnp.float32
         )

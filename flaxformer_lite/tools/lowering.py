@@ -1,0 +1,395 @@
+"""What the library's programs become on a GPU or a TPU, checked from a CPU-only host.
+
+Every program a user runs (the train step in its variants, the searches, NAT
+decoding, forced scoring) is exported with `jax.export` for "cuda" and "tpu":
+tracing under `kernels.target(platform)` picks the kernels those platforms would
+run, so the exported StableHLO holds the same custom calls (cuDNN flash attention,
+the Pallas splash kernels) and matmul dtypes as a run there. From the module text
+this reports, per program and platform:
+
+  lowered    whether export succeeded (else the first line of the error);
+  kernels    the custom calls (cuDNN targets, Pallas kernel names);
+  fp32       matmuls (`dot_general`) whose operands are both float32 in a bf16 run,
+             each named by its place in the model; the few that are float32 by design
+             (`FP32_BY_DESIGN`) are listed apart, with the reason.
+
+`traffic` compiles a program on a simulated N-device CPU mesh (the process must
+start with `--xla_force_host_platform_device_count=N`) and lists its collectives by
+size (`hlo_report`): XLA's SPMD partitioner is the same on every platform, so the
+collectives a sharding implies show here. What needs a GPU: whether cuDNN accepts a
+given shape at compile time (the export only proves the call is emitted; JAX's probes
+of the local cuDNN are answered by `cudnn_probe` while lowering, as on an H100/H200
+with cuDNN 9), and every timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.nn import kernels
+
+PLATFORMS = ("cuda", "tpu")
+
+# Float32 x float32 matmuls that stay so in a bf16 run, by the name-stack fragment that
+# identifies them, and why.
+FP32_BY_DESIGN = {
+    "length_logits": "NAT length classifier: [B, D] x [D, classes] on the float32 mean "
+    "of the encoder outputs, a few kFLOPs per example",
+    "bts,bsr->btr": "copy loss: attention mass summed over repeated source pieces, a "
+    "product of probabilities kept in float32 (bf16 would round the small copy mass)",
+    "hsd,hsd->hs": "splash backward (Pallas library code): the row sums of dO * O over "
+    "the head dim, a float32 reduction the kernels take as input",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A function and the abstract arguments it is exported with."""
+
+    name: str
+    describe: str
+    build: Callable[[], tuple[Callable, tuple]]  # -> (function, abstract args)
+
+
+@dataclasses.dataclass
+class Matmul:
+    operands: tuple[str, str]  # element types, e.g. ("bf16", "f32")
+    result: str
+    where: str  # the name stack of the op
+
+    @property
+    def fp32(self) -> bool:
+        return self.operands == ("f32", "f32")
+
+    def by_design(self) -> str | None:
+        for key, why in FP32_BY_DESIGN.items():
+            if key in self.where:
+                return why
+        return None
+
+
+@dataclasses.dataclass
+class Lowered:
+    program: str
+    platform: str
+    ok: bool
+    error: str = ""
+    kernels: tuple[str, ...] = ()
+    matmuls: tuple[Matmul, ...] = ()
+
+    @property
+    def fp32_matmuls(self) -> list[Matmul]:
+        return [m for m in self.matmuls if m.fp32 and m.by_design() is None]
+
+    @property
+    def fp32_by_design(self) -> list[Matmul]:
+        return [m for m in self.matmuls if m.fp32 and m.by_design() is not None]
+
+
+# --- the programs ---------------------------------------------------------------------
+
+B, S, T = 8, 256, 256  # lengths that tile in 128-row splash blocks
+VOCAB = 512
+
+
+def small_config(**overrides) -> TransformerConfig:
+    """A small model in the accelerator policy: bf16 compute, float32 parameters; head
+    size 128 (both fused kernels take it)."""
+    base = dict(
+        vocab_size=VOCAB,
+        d_model=256,
+        num_heads=2,
+        d_ff=512,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout_rate=0.1,
+        max_len=512,
+        dtype=jnp.bfloat16,
+    )
+    return TransformerConfig(**(base | overrides))
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+def _batch(packed: bool = False, features: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+    i32 = jnp.int32
+    inputs = (B, S, features) if features else (B, S)
+    batch = {
+        "inputs": jax.ShapeDtypeStruct(inputs, jnp.float32 if features else i32),
+        "targets": jax.ShapeDtypeStruct((B, T), i32),
+    }
+    if packed:
+        for side, n in (("inputs", S), ("targets", T)):
+            batch[f"{side}_segments"] = jax.ShapeDtypeStruct((B, n), i32)
+            batch[f"{side}_positions"] = jax.ShapeDtypeStruct((B, n), i32)
+    return batch
+
+
+def _train(model, *, packed=False, grad_accum_steps=1):
+    from flaxformer_lite.training import state as state_lib
+    from flaxformer_lite.training.step import train_step
+
+    def build():
+        tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
+        boxed = state_lib.abstract_state(model, tx, 0, S, T)
+        abstract = jax.tree.map(_abstract, _unbox(boxed))
+        fn = functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps)
+        return fn, (abstract, _batch(packed))
+
+    return build
+
+
+def _unbox(tree):
+    import flax.linen as nn
+
+    return nn.meta.unbox(tree)
+
+
+def _params(model):
+    from flaxformer_lite.training import state as state_lib
+
+    shapes = state_lib.init_shapes(model, S, T)
+    boxed = jax.eval_shape(lambda rng: model.init(rng, shapes), jax.random.PRNGKey(0))
+    return jax.tree.map(_abstract, _unbox(boxed))
+
+
+def _autoregressive(**overrides):
+    from flaxformer_lite.models.autoregressive import AutoregressiveModel
+
+    return AutoregressiveModel(small_config(**overrides), label_smoothing=0.1)
+
+
+def _copy_model():
+    from flaxformer_lite.models.autoregressive import AutoregressiveModel
+    from flaxformer_lite.models.pointer_generator import CopyHead
+
+    return AutoregressiveModel(
+        small_config(), label_smoothing=0.1, copy=CopyHead(layer=-1, heads=(0,))
+    )
+
+
+def _nat_model():
+    from flaxformer_lite.models.non_autoregressive import NonAutoregressiveModel
+
+    return NonAutoregressiveModel(small_config(), label_smoothing=0.1)
+
+
+def _search(model_fn, search_fn):
+    def build():
+        model = model_fn()
+        params = _params(model)
+        batch = {"inputs": jax.ShapeDtypeStruct((B, S), jnp.int32)}
+        return functools.partial(_predict, model=model, search=search_fn()), (params, batch)
+
+    return build
+
+
+def _predict(params, batch, *, model, search):
+    return model.predict(params, batch, search, jax.random.PRNGKey(0))
+
+
+def _score():
+    model = _autoregressive()
+    return functools.partial(_score_fn, model=model), (_params(model), _batch())
+
+
+def _score_fn(params, batch, *, model):
+    return model.score(params, batch)
+
+
+def _greedy():
+    from flaxformer_lite.models.predict import SearchConfig
+
+    return SearchConfig("greedy", max_len=64)
+
+
+def _beam():
+    from flaxformer_lite.models.predict import SearchConfig
+
+    return SearchConfig("beam", max_len=64, beam_size=4)
+
+
+def _nat_search():
+    from flaxformer_lite.models.non_autoregressive import NATSearch
+
+    return NATSearch(max_len=T, iterations=4, length_beam=2)
+
+
+def _scan_remat_model():
+    return _autoregressive(scan_layers=True, remat=True)
+
+
+PROGRAMS: dict[str, Program] = {
+    p.name: p
+    for p in (
+        Program("train_full", "train step, full attention", _train(_autoregressive())),
+        Program(
+            "train_local",
+            "train step, local attention (windows 32)",
+            _train(_autoregressive(encoder_window=32, decoder_window=32)),
+        ),
+        Program("train_packed", "train step, packed rows", _train(_autoregressive(), packed=True)),
+        Program("train_scan_remat", "train step, scanned layers + remat", lambda: None),
+        Program(
+            "train_grad_accum",
+            "train step, 2 accumulated micro-batches",
+            _train(_autoregressive(), grad_accum_steps=2),
+        ),
+        Program("train_copy", "train step, copy head", lambda: None),
+        Program("train_nat", "train step, NAT (CMLM + length)", lambda: None),
+        Program("greedy", "greedy search, KV cache", _search(_autoregressive, _greedy)),
+        Program("beam", "beam search (4), KV cache", _search(_autoregressive, _beam)),
+        Program("nat_decode", "Mask-Predict (4 iterations, 2 lengths)", lambda: None),
+        Program("score", "forced scoring", _score),
+    )
+}
+
+
+def _lazy_train(model_fn, **kw):
+    return lambda: _train(model_fn(), **kw)()
+
+
+PROGRAMS["train_scan_remat"] = dataclasses.replace(
+    PROGRAMS["train_scan_remat"], build=_lazy_train(_scan_remat_model)
+)
+PROGRAMS["train_copy"] = dataclasses.replace(PROGRAMS["train_copy"], build=_lazy_train(_copy_model))
+PROGRAMS["train_nat"] = dataclasses.replace(PROGRAMS["train_nat"], build=_lazy_train(_nat_model))
+PROGRAMS["nat_decode"] = dataclasses.replace(
+    PROGRAMS["nat_decode"], build=_search(_nat_model, _nat_search)
+)
+
+
+# --- lowering -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cudnn_probe() -> Iterator[None]:
+    """Answers JAX's probes of the local cuDNN and GPU as an H100/H200 with cuDNN 9 would,
+    so cuDNN attention lowers on a host without one. No effect where JAX lacks them."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except ImportError:
+        yield
+        return
+    stubs = {
+        "check_cudnn_version": lambda *a, **k: 91000,
+        "check_compute_capability": lambda *a, **k: True,
+        "is_cuda_compute_capability_equal": lambda *a, **k: False,
+    }
+    saved = {n: getattr(fused, n) for n in stubs if hasattr(fused, n)}
+    try:
+        for n in saved:
+            setattr(fused, n, stubs[n])
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(fused, n, f)
+
+
+def export_text(fn: Callable, args: tuple, platform: str) -> str:
+    """The StableHLO text (with locations) of `fn(*args)` exported for `platform`."""
+    jax.clear_caches()  # jit caches traces without the kernel target in the key
+    probe = cudnn_probe() if platform == "cuda" else contextlib.nullcontext()
+    checks = []
+    with kernels.target({"cuda": "gpu"}.get(platform, platform)), probe:
+        for _ in range(2):
+            try:
+                exported = jax.export.export(
+                    jax.jit(fn), platforms=[platform], disabled_checks=checks
+                )(*args)
+                break
+            except ValueError as e:
+                # cuDNN's custom calls carry no serialization-compatibility guarantee (a
+                # saved module may not load under another cuDNN); they lower all the same.
+                names = sorted(set(re.findall(r"(__cudnn\$\w+)", str(e))))
+                if not names or checks:
+                    raise
+                checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]
+    return exported.mlir_module()
+
+
+_DOT = re.compile(
+    r"stablehlo\.dot_general .*?: \(tensor<([^>]*)>, tensor<([^>]*)>\) -> tensor<([^>]*)> "
+    r"loc\((#loc\d+)\)"
+)
+_LOC = re.compile(r'^(#loc\d+) = loc\("([^"]*)"')
+_CUSTOM = re.compile(r"stablehlo\.custom_call @([\w$.]+)")
+_KERNEL_NAME = re.compile(r'kernel_name = "(\w+)"')
+
+
+def _etype(tensor: str) -> str:
+    return tensor.rsplit("x", 1)[-1] if "x" in tensor else tensor
+
+
+def parse(text: str) -> tuple[tuple[str, ...], tuple[Matmul, ...]]:
+    """(custom calls and Pallas kernel names, matmuls) of a StableHLO module's text."""
+    locs = dict(m.groups() for m in map(_LOC.match, text.splitlines()) if m)
+    calls = set(_CUSTOM.findall(text)) - {"tpu_custom_call"}
+    calls |= {f"pallas:{n}" for n in _KERNEL_NAME.findall(text)}
+    matmuls = tuple(
+        Matmul((_etype(a), _etype(b)), _etype(r), locs.get(loc, loc))
+        for a, b, r, loc in _DOT.findall(text)
+    )
+    return tuple(sorted(calls)), matmuls
+
+
+def lower(name: str, platform: str) -> Lowered:
+    """Exports one program for one platform and reads its kernels and matmuls."""
+    try:
+        fn, args = PROGRAMS[name].build()
+        text = export_text(fn, args, platform)
+    except Exception as e:  # noqa: BLE001 - the report names what failed to lower
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return Lowered(name, platform, False, error=f"{type(e).__name__}: {first[:300]}")
+    calls, matmuls = parse(text)
+    return Lowered(name, platform, True, kernels=calls, matmuls=matmuls)
+
+
+def report_lines(result: Lowered) -> list[str]:
+    """The printed lines of one program on one platform."""
+    head = f"{result.program:18s} {result.platform:5s}"
+    if not result.ok:
+        return [f"{head} NOT LOWERED  {result.error}"]
+    kernels_ = ", ".join(result.kernels) or "none"
+    lines = [
+        f"{head} lowered  matmuls {len(result.matmuls)}, fp32 x fp32 "
+        f"{len(result.fp32_matmuls)} (+{len(result.fp32_by_design)} by design)  "
+        f"custom calls: {kernels_}"
+    ]
+    for m in result.fp32_matmuls:
+        lines.append(f"    fp32 matmul: {m.where}")
+    seen = set()
+    for m in result.fp32_by_design:
+        why = m.by_design()
+        if why not in seen:
+            seen.add(why)
+            lines.append(f"    fp32 by design: {why}")
+    return lines
+
+
+def run(
+    names: tuple[str, ...] | None = None,
+    platforms: tuple[str, ...] = PLATFORMS,
+    log: Callable[[str], None] = print,
+) -> list[Lowered]:
+    """Lowers every program (or `names`) for every platform and logs the report."""
+    results = []
+    for name in names or tuple(PROGRAMS):
+        for platform in platforms:
+            result = lower(name, platform)
+            results.append(result)
+            for line in report_lines(result):
+                log(line)
+    return results
