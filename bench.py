@@ -4,6 +4,7 @@ python bench.py                          # training and decoding, base model, vo
 python bench.py --mode train --batch 16 --source_len 64 --target_len 64
 python bench.py --mode decode --json bench.json
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
+python bench.py --mode lower             # exported for cuda and tpu; collectives on 8 devices
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 python bench.py --mode decode --compare ctranslate2   # vs CTranslate2 on the same weights
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
@@ -20,7 +21,19 @@ from ml_collections import config_flags
 
 from flaxformer_lite.tools import cli
 
-flags.DEFINE_enum("mode", "all", ["all", "train", "decode", "sweep"], "What to measure.")
+flags.DEFINE_enum(
+    "mode",
+    "all",
+    ["all", "train", "decode", "sweep", "lower"],
+    "What to measure. lower: export every program for cuda and tpu from this host and print "
+    "its custom calls, float32 matmuls and (on --lower_devices simulated devices) collectives.",
+)
+flags.DEFINE_list(
+    "lower_programs", [], "--mode lower: these programs only (default: all; see tools/lowering)."
+)
+flags.DEFINE_integer(
+    "lower_devices", 8, "--mode lower: simulated CPU devices for the collectives.", lower_bound=1
+)
 flags.DEFINE_integer("batch", 16, "Sentences per batch.")
 flags.DEFINE_integer("source_len", 64, "Source tokens per sentence.")
 flags.DEFINE_integer("target_len", 64, "Target tokens per sentence (training).")
@@ -124,6 +137,9 @@ def main(argv):
     opts = bench_command.Options(FLAGS, present, sys.argv[1:], os.path.abspath(__file__))
     if FLAGS.compare:
         bench_command.check_compare(opts)
+    if FLAGS.mode == "lower":
+        bench_command.lower(opts)
+        return
     cli.report_platform()
     bench_command.run(opts)
 

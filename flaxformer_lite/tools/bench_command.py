@@ -324,6 +324,34 @@ def _decode(f, config, log) -> dict:
     )
 
 
+def lower(opts: Options) -> dict:
+    """--mode lower: the lowering report of `tools/lowering.py` (before JAX starts its CPU
+    backend, which then simulates --lower_devices devices for the collectives)."""
+    import jax
+
+    from flaxformer_lite.tools import lowering
+
+    f = opts.flags
+    unknown = sorted(set(f.lower_programs) - set(lowering.PROGRAMS))
+    if unknown:
+        cli.fail(
+            f"--lower_programs: unknown program(s) {', '.join(unknown)}; "
+            f"known: {', '.join(lowering.PROGRAMS)}"
+        )
+    jax.config.update("jax_num_cpu_devices", f.lower_devices)
+    names = tuple(f.lower_programs) or tuple(lowering.PROGRAMS)
+    print(f"lowering for {', '.join(lowering.PLATFORMS)} from a {jax.default_backend()} host:")
+    results = lowering.run(names)
+    out = {"lowered": [lowering.as_dict(r) for r in results]}
+    if f.json:
+        with open(f.json, "w") as file:
+            json.dump(out, file, indent=2)
+    failed = [f"{r.program}/{r.platform}" for r in results if not r.ok]
+    if failed:
+        cli.fail(f"{len(failed)} program(s) did not lower: {', '.join(failed)}", code=1)
+    return out
+
+
 def run(opts: Options) -> dict:
     """Measures what the flags ask for, logs it, writes --json; returns the results."""
     from flaxformer_lite.tools import host_memory

@@ -379,6 +379,20 @@ def report_lines(result: Lowered) -> list[str]:
     return lines
 
 
+def as_dict(result: Lowered) -> dict:
+    """One result as JSON-ready values."""
+    return {
+        "program": result.program,
+        "platform": result.platform,
+        "lowered": result.ok,
+        "error": result.error,
+        "custom_calls": list(result.kernels),
+        "matmuls": len(result.matmuls),
+        "fp32_matmuls": [m.where for m in result.fp32_matmuls],
+        "fp32_by_design": sorted({m.by_design() for m in result.fp32_by_design}),
+    }
+
+
 def run(
     names: tuple[str, ...] | None = None,
     platforms: tuple[str, ...] = PLATFORMS,

@@ -1,0 +1,71 @@
+"""The programs as a GPU or a TPU would run them, exported from this CPU host.
+
+`tools/lowering.py` exports each program for "cuda" and "tpu" under the kernel target
+of that platform; these tests read the exported modules: the fused attention kernels
+are there, and a bf16 run has no float32 x float32 model matmul except the named ones.
+"""
+
+import pytest
+
+from flaxformer_lite.tools import lowering
+
+TRAIN = ("train_full", "train_local", "train_packed", "train_scan_remat", "train_grad_accum")
+
+
+@pytest.fixture(scope="module")
+def tpu_results():
+    return {name: lowering.lower(name, "tpu") for name in lowering.PROGRAMS}
+
+
+def test_every_program_lowers_for_tpu_with_the_splash_kernel(tpu_results):
+    for name, result in tpu_results.items():
+        assert result.ok, (name, result.error)
+        kernels = " ".join(result.kernels)
+        assert "pallas:splash_mha_fwd" in kernels, (name, result.kernels)
+        if name.startswith("train"):  # the backward pass's kernels too
+            assert "pallas:splash_mha_dq" in kernels and "pallas:splash_mha_dkv" in kernels
+
+
+def test_bf16_programs_have_no_fp32_matmuls_but_the_named_ones(tpu_results):
+    for name, result in tpu_results.items():
+        assert result.matmuls, name
+        assert not result.fp32_matmuls, (name, [m.where for m in result.fp32_matmuls])
+    named = {m.by_design() for r in tpu_results.values() for m in r.fp32_by_design}
+    assert named == set(lowering.FP32_BY_DESIGN.values())  # every exception still occurs
+
+
+def test_the_check_finds_a_float32_matmul():
+    """The same reading on a float32 model: every model matmul is float32 x float32."""
+    text = lowering.export_text(*_float32_score(), "tpu")
+    _, matmuls = lowering.parse(text)
+    assert matmuls and all(m.fp32 for m in matmuls)
+    assert any("decoder/layer_0" in m.where for m in matmuls)
+
+
+def _float32_score():
+    import functools
+
+    import jax.numpy as jnp
+
+    from flaxformer_lite.models.autoregressive import AutoregressiveModel
+
+    model = AutoregressiveModel(lowering.small_config(dtype=jnp.float32))
+    return functools.partial(lowering._score_fn, model=model), (
+        lowering._params(model),
+        lowering._batch(),
+    )
+
+
+def test_cuda_train_step_holds_cudnn_flash_attention():
+    result = lowering.lower("train_full", "cuda")
+    if not result.ok and "cudnn" in result.error.lower():
+        pytest.skip(f"this JAX cannot lower cuDNN attention without a GPU: {result.error}")
+    assert result.ok, result.error
+    assert "__cudnn$fmhaSoftmax" in result.kernels
+    assert "__cudnn$fmhaSoftmaxBackward" in result.kernels
+    assert not result.fp32_matmuls
+
+
+def test_report_names_what_failed():
+    bad = lowering.Lowered("train_full", "tpu", False, error="ValueError: no")
+    assert lowering.report_lines(bad) == ["train_full         tpu   NOT LOWERED  ValueError: no"]
