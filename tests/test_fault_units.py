@@ -3,6 +3,7 @@ guard, the loop's reading of it, early stopping, and the stop-signal handler."""
 
 import functools
 import os
+import re
 import signal
 
 import jax
@@ -168,3 +169,16 @@ def test_a_failed_metrics_append_leaves_no_torn_line(tmp_path, monkeypatch):
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 3]
+
+
+def test_the_guard_adds_no_copy_of_the_state():
+    """The guard's selection fuses into the optimiser's update: the compiled step holds no
+    conditional and no copy of a parameter-shaped array (a lax.cond over the state made
+    XLA copy every parameter and moment at every step)."""
+    tx = optax.adam(1e-2)
+    params = {"w": jnp.ones((256, 384), jnp.float32)}
+    state = TrainState(jnp.int32(0), params, tx.init(params), jax.random.PRNGKey(0))
+    step = jax.jit(functools.partial(train_step, model=LinearModel(), tx=tx))
+    hlo = step.lower(state, {"x": jnp.ones((256, 384), jnp.float32)}).compile().as_text()
+    assert " conditional(" not in hlo
+    assert not re.findall(r"= f32\[256,384\]\S* copy\(", hlo)

@@ -76,17 +76,19 @@ def train_step(
     # A non-finite loss, gradient or update never reaches the state: the update
     # is dropped (the step still counts, so the data sequence is unchanged), and the loop
     # decides from the "nonfinite" code whether to stop or go on. Selecting the old state
-    # is exact, so a finite step is bit-identical to an unguarded one. One lax.cond picks
-    # the whole state: per-leaf jnp.where made the tiny model's step compile ~60% slower.
+    # is exact, so a finite step is bit-identical to an unguarded one. The selection is
+    # per leaf (`jnp.where`), which XLA fuses into the optimiser's elementwise update: a
+    # `lax.cond` over the whole state made XLA copy every parameter and moment into the
+    # conditional's result at every step (1.16 GB of copies per base-model step).
     loss_ok = jnp.isfinite(sums["loss"])
     grad_ok = jnp.isfinite(grad_norm)
     # The update itself can overflow with a finite gradient (a huge learning rate): its
     # norm is one more reduction, much cheaper to compile than a check of every parameter.
     params_ok = jnp.isfinite(optax.global_norm(updates))
     finite = loss_ok & grad_ok & params_ok
-    params, opt_state = jax.lax.cond(
-        finite, lambda: (params, opt_state), lambda: (state.params, state.opt_state)
-    )
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     sums = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), sums)
     sums["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
     code = jnp.where(loss_ok, jnp.where(grad_ok, jnp.where(params_ok, 0.0, 3.0), 1.0), 2.0)
