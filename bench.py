@@ -18,7 +18,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.tools import cli, compilation_cache
 
 flags.DEFINE_enum("mode", "all", ["all", "train", "decode", "sweep"], "What to measure.")
 flags.DEFINE_integer("batch", 16, "Sentences per batch.")
@@ -111,6 +111,7 @@ config_flags.DEFINE_config_file(
     lock_config=True,
 )
 cli.define_host_malloc_flag()
+compilation_cache.define_flag(off_because="since the compile times reported would be cache loads")
 FLAGS = flags.FLAGS
 
 
@@ -124,6 +125,7 @@ def main(argv):
     opts = bench_command.Options(FLAGS, present, sys.argv[1:], os.path.abspath(__file__))
     if FLAGS.compare:
         bench_command.check_compare(opts)
+    compilation_cache.enable(FLAGS.compilation_cache_dir)
     cli.report_platform()
     bench_command.run(opts)
 
