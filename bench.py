@@ -19,7 +19,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.tools import cli, compilation_cache
 
 flags.DEFINE_enum(
     "mode",
@@ -124,6 +124,7 @@ config_flags.DEFINE_config_file(
     lock_config=True,
 )
 cli.define_host_malloc_flag()
+compilation_cache.define_flag(off_because="since the compile times reported would be cache loads")
 FLAGS = flags.FLAGS
 
 
@@ -140,6 +141,7 @@ def main(argv):
     if FLAGS.mode == "lower":
         bench_command.lower(opts)
         return
+    compilation_cache.enable(FLAGS.compilation_cache_dir)
     cli.report_platform()
     bench_command.run(opts)
 

@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import DEFINE_bool, DEFINE_float, DEFINE_integer, DEFINE_string
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.tools import cli, compilation_cache
 
 FLAGS = flags.FLAGS
 
@@ -94,6 +94,8 @@ def main(argv):
         logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
     from flaxformer_lite.translate import command, files
 
+    compilation_cache.enable(FLAGS.compilation_cache_dir)
+
     values = {name: FLAGS[name].value for name in command.Options.names()}
     if FLAGS.report and not FLAGS["beam_size"].present:
         values["beam_size"] = 1  # the report decodes greedily
@@ -107,4 +109,5 @@ if __name__ == "__main__":
     cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     define_flags()
     cli.define_host_malloc_flag()
+    compilation_cache.define_flag()
     app.run(main, flags_parser=cli.parse_flags)

@@ -13,7 +13,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import DEFINE_float, DEFINE_integer, DEFINE_string
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.tools import cli, compilation_cache
 
 FLAGS = flags.FLAGS
 
@@ -38,6 +38,8 @@ def main(argv):
     from flaxformer_lite.tools import distill
     from flaxformer_lite.translate import files
 
+    compilation_cache.enable(FLAGS.compilation_cache_dir)
+
     values = {name: FLAGS[name].value for name in distill.Options.names()}
     try:
         manifest = distill.run(distill.Options(**values), on_inputs_checked=cli.report_platform)
@@ -51,4 +53,5 @@ if __name__ == "__main__":
     cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     define_flags()
     cli.define_host_malloc_flag()
+    compilation_cache.define_flag()
     app.run(main, flags_parser=cli.parse_flags)

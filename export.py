@@ -16,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import DEFINE_enum, DEFINE_integer, DEFINE_string
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.tools import cli, compilation_cache
 
 FLAGS = flags.FLAGS
 
@@ -52,6 +52,8 @@ def main(argv):
     from flaxformer_lite.export import command
     from flaxformer_lite.export.layout import ExportError
 
+    compilation_cache.enable(FLAGS.compilation_cache_dir)
+
     values = {name: FLAGS[name].value for name in command.Options.__dataclass_fields__}
     try:
         command.export(command.Options(**values))
@@ -61,4 +63,5 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
+    compilation_cache.define_flag()
     app.run(main, flags_parser=cli.parse_flags)

@@ -16,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.tools import cli, compilation_cache
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 FLAGS = flags.FLAGS
@@ -75,6 +75,7 @@ def main(argv):
     # what depends on the platform (a forced kernel) is checked once the job is joined,
     # since JAX's backends must not start before jax.distributed.initialize.
     run_config.validate(FLAGS.config, platform=False)
+    compilation_cache.enable(FLAGS.compilation_cache_dir)
     try:
         # Before anything touches devices: the processes must first find each other.
         partitioning.initialize_distributed(
@@ -120,4 +121,5 @@ if __name__ == "__main__":
     cli.check_config_overrides(sys.argv[1:], _DEFAULT_CONFIG)
     define_flags()
     cli.define_host_malloc_flag()
+    compilation_cache.define_flag()
     app.run(main, flags_parser=cli.parse_flags)

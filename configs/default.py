@@ -124,6 +124,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.exposure_report = True
     t.checkpoint_every = 500  # steps between checkpoints
     t.keep_checkpoints = 3  # most recent checkpoints kept
+    # Checksums, write and read-back of a checkpoint on a background thread (one process);
+    # the step path only copies the state to host memory. False: all of it between steps.
+    t.async_checkpoints = True
     t.keep_best_checkpoints = 1  # also kept: the best by validation best_metric (0: none)
     t.best_metric = "loss"  # validation metric ranking checkpoints: loss, exact_match, bleu, ...
     t.early_stop_patience = 0  # stop after this many evaluations without a new best (0: never)
@@ -131,6 +134,9 @@ def get_config() -> ml_collections.ConfigDict:
     t.nonfinite_max_skips = 10  # ... this many skipped steps in a row)
     t.hang_factor = 20.0  # a step, evaluation or save this many times its median is a hang:
     t.hang_min_seconds = 600.0  # ... but never before this; the run then exits (0: no watchdog)
+    # With several processes, agree on a stop signal (a collective) at every Nth step or
+    # evaluation batch only; one process checks its own at each.
+    t.preemption_check_every = 10
     t.num_examples_to_print = 8  # test examples printed at the end
     t.progress_bar = True  # tqdm bar on stderr
     t.tensorboard = True  # also write TensorBoard event files

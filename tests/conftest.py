@@ -33,8 +33,12 @@ os.environ.update(COMPILATION_CACHE_ENV)
 
 
 def without_compilation_cache(env: dict) -> dict:
-    """`env` for a subprocess that must not share this worker's compilation cache."""
-    return {k: v for k, v in env.items() if k not in COMPILATION_CACHE_ENV}
+    """`env` for a subprocess that must not share this worker's compilation cache.
+
+    An empty JAX_COMPILATION_CACHE_DIR also keeps the CLIs off their default cache directory.
+    """
+    kept = {k: v for k, v in env.items() if k not in COMPILATION_CACHE_ENV}
+    return {**kept, "JAX_COMPILATION_CACHE_DIR": ""}
 
 
 def _enable_compilation_cache() -> None:

@@ -202,8 +202,16 @@ def test_newer_format_is_refused_not_skipped(workdir):
     ckpt.close()
 
 
-def test_a_write_corrupted_before_verification_is_removed(workdir):
-    ckpt = Checkpointer(workdir, keep=1, save_every=1)
+def save_verified(ckpt: Checkpointer, step: int, state, meta) -> bool:
+    """`ckpt.save` and, when asynchronous, its verification: either raises its failure."""
+    saved = ckpt.save(step, state, meta)
+    ckpt.wait()
+    return saved
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_write_corrupted_before_verification_is_removed(workdir, asynchronous):
+    ckpt = Checkpointer(workdir, keep=1, save_every=1, asynchronous=asynchronous)
     write = ckpt._write
 
     def corrupting_write(step, state, meta):
@@ -212,7 +220,7 @@ def test_a_write_corrupted_before_verification_is_removed(workdir):
 
     ckpt._write = corrupting_write
     with pytest.raises(CheckpointWriteError) as e:
-        ckpt.save(3, make_state(3), {})
+        save_verified(ckpt, 3, make_state(3), {})
     text = str(e.value)
     assert text.startswith(f"checkpoint 3 in {ckpt.directory} was written but ")
     assert "the previous checkpoint (step 2) is kept" in text and "\n" not in text
@@ -221,25 +229,79 @@ def test_a_write_corrupted_before_verification_is_removed(workdir):
     assert checkpoints.list_steps(workdir) == [1, 2] == ckpt.all_steps()
     assert_bitwise_equal(ckpt.restore(abstract(STATES[2]), 2)[0], STATES[2])
     ckpt._write = write
-    assert ckpt.save(3, make_state(3), {})
+    assert save_verified(ckpt, 3, make_state(3), {})
     assert ckpt.all_steps() == [3]
     ckpt.close()
 
 
-def test_non_finite_state_is_refused(workdir):
-    ckpt = Checkpointer(workdir, keep=1, save_every=1)
+def test_an_asynchronous_save_is_trusted_only_once_verified(workdir):
+    """The step path returns before the write; older steps stay until the new one is
+    verified; a failure is raised by the next check, once, and the run can save again."""
+    import threading
+
+    ckpt = Checkpointer(workdir, keep=1, save_every=1, asynchronous=True)
+    write, release = ckpt._write, threading.Event()
+
+    def slow_write(step, state, meta):
+        assert release.wait(60)
+        write(step, state, meta)
+        if step == 4:
+            flip_bytes(workdir, step)
+
+    ckpt._write = slow_write
+    assert ckpt.save(3, make_state(3), {})  # returns while the write waits
+    ckpt.check()  # in flight: neither blocks nor raises
+    assert checkpoints.list_steps(workdir) == [1, 2]  # nothing deleted yet
+    release.set()
+    assert ckpt.all_steps() == [3]  # waits for the verification, then retention ran
+    assert ckpt.save(4, make_state(4), {})
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint 4 .* \(step 3\) is kept"):
+        while True:
+            ckpt.check()  # raises once the background save failed
+    ckpt.check()  # reported once
+    assert checkpoints.list_steps(workdir) == [3]
+    assert_bitwise_equal(ckpt.restore(abstract(make_state(3)))[0], make_state(3))
+    ckpt._write = write
+    assert ckpt.save(5, make_state(5), {})
+    ckpt.close()  # waits for it
+    assert checkpoints.list_steps(workdir) == [5]
+
+
+def test_a_failed_save_at_close_is_raised_or_logged(workdir):
+    messages = []
+    for failing in (False, True):
+        ckpt = Checkpointer(workdir, keep=1, save_every=1, asynchronous=True, log=messages.append)
+        bad = make_state(3)
+        bad = bad.replace(params=bad.params | {"embed": bad.params["embed"].at[0, 0].set(jnp.nan)})
+        assert ckpt.save(3, bad, {})
+        if failing:  # the run ends on another error: the save's failure is one logged line
+            ckpt.close(failing=True)
+            assert messages == [
+                "error: state at step 3 has non-finite values (first: .params['embed']); not "
+                "saved; the previous checkpoint (step 2) is kept; lower optim.learning_rate or "
+                "set optim.grad_clip_norm, and rerun to resume from it"
+            ]
+        else:
+            with pytest.raises(CheckpointWriteError, match="non-finite"):
+                ckpt.close()
+    assert checkpoints.list_steps(workdir) == [1, 2]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_non_finite_state_is_refused(workdir, asynchronous):
+    ckpt = Checkpointer(workdir, keep=1, save_every=1, asynchronous=asynchronous)
     bad = make_state(3)
     kernel = bad.params["dense"]["kernel"]
     bad = bad.replace(params=bad.params | {"embed": bad.params["embed"].at[3, 1].set(jnp.inf)})
     with pytest.raises(CheckpointWriteError) as e:
-        ckpt.save(3, bad, {})
+        save_verified(ckpt, 3, bad, {})
     assert str(e.value).startswith(
         "state at step 3 has non-finite values (first: .params['embed']); not saved; "
         "the previous checkpoint (step 2) is kept"
     )
     nan = make_state(4).replace(opt_state={"mu": {"k": kernel.at[0, 0].set(jnp.nan)}})
     with pytest.raises(CheckpointWriteError, match=r"first: .opt_state\['mu'\]\['k'\]"):
-        ckpt.save(4, nan, {})
+        save_verified(ckpt, 4, nan, {})
     assert checkpoints.list_steps(workdir) == [1, 2]
     assert sorted(os.listdir(ckpt.directory)) == ["1", "2"]
     ckpt.close()

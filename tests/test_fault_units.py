@@ -145,6 +145,26 @@ def test_first_signal_requests_a_stop_and_the_second_exits_at_once(monkeypatch):
     assert "rerun the same command to resume" in str(preemption.Preempted(7, saved=True))
 
 
+def test_several_processes_agree_on_a_stop_only_at_every_nth_poll(monkeypatch):
+    """The agreement is a collective (a barrier): polled between steps and evaluation
+    batches, it runs at every `check_every`-th poll; `requested()` agrees at once."""
+    collectives = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(
+        preemption.multihost_utils,
+        "process_allgather",
+        lambda flag: collectives.append(int(flag)) or np.array([flag, 0]),
+    )
+    signals = preemption.StopSignals(log=lambda s: None, check_every=3)
+    assert [signals.poll() for _ in range(6)] == [False] * 6
+    assert collectives == [0, 0]  # at polls 3 and 6 only
+    signals._handle(signal.SIGTERM, None)  # the signal reaches this process
+    assert [signals.poll() for _ in range(3)] == [False, False, True]
+    assert signals.requested() and collectives == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="check_every"):
+        preemption.StopSignals(check_every=0)
+
+
 def test_a_failed_metrics_append_leaves_no_torn_line(tmp_path, monkeypatch):
     import errno
 

@@ -101,6 +101,39 @@ def test_nonfinite_loss_stops_without_a_nonfinite_checkpoint(trained, tfds_dir, 
     assert sum("update skipped" in m for m in messages) == 3, messages
 
 
+def test_sigterm_during_the_final_evaluation_stops_it_between_batches(
+    trained, tfds_dir, tmp_path, monkeypatch
+):
+    """A preemption notice leaves ~30 s: the evaluation stops at its next batch, the
+    checkpoint of the last step is kept (verified), and the run says how to resume."""
+    from flaxformer_lite.training import evaluate
+    from flaxformer_lite.training.preemption import Preempted
+
+    workdir = _copy(trained, tmp_path)
+    batches = []
+    rows = evaluate.partitioning.process_rows
+
+    def signalled_rows(*args):
+        if not batches:  # the signal arrives while the first batch is evaluated
+            os.kill(os.getpid(), signal.SIGTERM)
+        batches.append(args)
+        return rows(*args)
+
+    monkeypatch.setattr(evaluate.partitioning, "process_rows", signalled_rows)
+    messages = []
+    config = tiny_config(tfds_dir, num_steps=22, eval_batch_size=4)
+    with pytest.raises(Preempted) as e:
+        loop.train_and_evaluate(config, workdir, log=messages.append)
+    assert (
+        str(e.value) == "preempted at step 22; checkpoint saved; rerun the same command to resume"
+    )
+    assert len(batches) == 1  # of many: 4 examples per batch
+    assert any(m.startswith("step 22 validation evaluation: stopped after 1 of ") for m in messages)
+    assert _steps(workdir)[-1] == 22
+    _, state, _, _ = loop.restore_trained(workdir)
+    assert int(state.step) == 22
+
+
 def test_early_stopping_keeps_the_best_checkpoint(tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
     config = tiny_config(
@@ -171,6 +204,7 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
 
         def fill_then_save(self, step, *args, **kwargs):
             if step == 30:  # the disk fills up between two checkpoints
+                self.wait()  # (once step 25, written in the background, is complete)
                 _fill(disk / "filler")
             return save(self, step, *args, **kwargs)
 

@@ -13,6 +13,7 @@ import hashlib
 import io
 import logging
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -134,16 +135,33 @@ def quiet_loggers(*names: str):
             lg.setLevel(level)
 
 
+class _HeldStderr(io.TextIOBase):
+    """sys.stderr while held: the main thread's writes pass through when another thread
+    holds (a background save must not swallow the training loop's lines); the rest wait."""
+
+    def __init__(self, real):
+        self.real, self.held = real, io.StringIO()
+        self._passes = threading.current_thread() is not threading.main_thread()
+
+    def write(self, text: str) -> int:
+        if self._passes and threading.current_thread() is threading.main_thread():
+            return self.real.write(text)
+        return self.held.write(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+
 @contextlib.contextmanager
 def held_stderr():
     """Collects what Python code writes to sys.stderr in the block; passes it on unless
     the block raised."""
-    held, real = io.StringIO(), sys.stderr
-    sys.stderr = held
+    real = sys.stderr
+    held = sys.stderr = _HeldStderr(real)
     try:
         yield
     except BaseException:
         sys.stderr = real
         raise
     sys.stderr = real
-    real.write(held.getvalue())
+    real.write(held.held.getvalue())

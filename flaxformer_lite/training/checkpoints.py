@@ -6,19 +6,31 @@ checksums, validation metrics when given). Steps found unusable on resume are
 moved to `checkpoints-corrupt/<step>/`, out of orbax's sight, never deleted.
 (`workdir.py` describes the rest of a workdir.)
 
-A save is synchronous and is trusted only once read back: one host pass over
-the state computes the checksums and refuses non-finite values, orbax writes
-the step, the written state is read from disk and compared with the
-checksums, and only then are older steps deleted (retention is done here, not
-by orbax's `max_to_keep`, which deletes old steps once a new one is written,
-before anything has checked it). A failed save raises `CheckpointWriteError`,
-leaves no partial step directory, and keeps every earlier checkpoint. A
-resume (`Checkpointer.restore_latest_good`) tries steps newest first and
-moves the unusable ones aside.
+A save is trusted only once read back: one host pass over the state computes
+the checksums and refuses non-finite values, orbax writes the step, the
+written state is read from disk and compared with the checksums, and only
+then are older steps deleted (retention is done here, not by orbax's
+`max_to_keep`, which deletes old steps once a new one is written, before
+anything has checked it). A failed save raises `CheckpointWriteError`, leaves
+no partial step directory, and keeps every earlier checkpoint. A resume
+(`Checkpointer.restore_latest_good`) tries steps newest first and moves the
+unusable ones aside.
+
+With `asynchronous=True` (one process) the step path only copies the state to
+host memory; the checksums, the write, the read-back and the retention run
+on a background thread while the device trains on. One save is in flight at
+most: the next save, any read of the checkpoints, `wait` and `close` wait for
+it, and `check` (called between steps) raises its `CheckpointWriteError` once
+it failed. A process killed meanwhile leaves either orbax's unfinished
+temporary directory (never picked) or a complete step whose checksums are
+verified when it is restored, as after a kill during a synchronous save.
+With several processes saves stay synchronous: their checks agree through
+collectives, which must not run beside the training step's.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import math
@@ -253,6 +265,8 @@ class Checkpointer:
       best_metric: the key of the `metrics` given to `save` that ranks checkpoints.
       best_mode: "min" (lower is better, as for a loss) or "max" (as for BLEU).
       log: one line per event worth a user's attention (default: stderr).
+      asynchronous: verify and write saves on a background thread (see the module
+        docstring); ignored with several processes.
     """
 
     def __init__(
@@ -265,6 +279,7 @@ class Checkpointer:
         best_metric: str = "loss",
         best_mode: str = "min",
         log: Log | None = None,
+        asynchronous: bool = False,
     ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the checkpoint just saved), got {keep}")
@@ -279,6 +294,13 @@ class Checkpointer:
         self.best_metric, self.best_mode = best_metric, best_mode
         self._log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self._metrics: dict[int, dict[str, float] | None] = {}  # read metas, by step
+        self.asynchronous = asynchronous and jax.process_count() == 1
+        self._worker = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+            if self.asynchronous
+            else None
+        )
+        self._pending: concurrent.futures.Future | None = None  # the save in flight
         self._manager = ocp.CheckpointManager(
             self.directory,
             # No max_to_keep: orbax would delete old steps once a new one is written, before
@@ -288,9 +310,15 @@ class Checkpointer:
         )
 
     def latest_step(self) -> int | None:
+        self.wait()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """The saved steps, ascending, once the save in flight (if any) is verified."""
+        self.wait()
+        return self._all_steps()
+
+    def _all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
     # Saving.
@@ -315,17 +343,38 @@ class Checkpointer:
             checksums and metrics are added).
           metrics: e.g. validation metrics {name: float}, saved as meta["metrics"]
             and used to rank the best checkpoints.
+        Asynchronous, it returns once the state is copied to host memory; the
+        rest runs on the background thread, and its failure is raised by the
+        next `check`, `wait`, `save` or read of the checkpoints.
+
         Returns:
-          Whether it saved (False: not due, or `step` is already saved).
+          Whether it saved, or started to (False: not due, or `step` is already saved).
         Raises:
           CheckpointWriteError: nothing was saved (non-finite state, write
             error such as a full disk, or a read-back mismatch); no partial step
-            is left and the earlier checkpoints are all kept.
+            is left and the earlier checkpoints are all kept. Asynchronous: the
+            previous save failed so.
         """
         if not force and (self.save_every <= 0 or step % self.save_every):
             return False
-        if step in self.all_steps():
+        if step in self.all_steps():  # waits for the save in flight
             return False
+        if not self.asynchronous:
+            self._save(step, state, meta, metrics)
+            return True
+        # The one copy the step path pays for: the device may overwrite (donate) its
+        # buffers at the next step. jax.device_get starts every leaf's transfer at once.
+        host_state = jax.device_get(state)
+        self._pending = self._worker.submit(self._save, step, host_state, meta, metrics)
+        return True
+
+    def check(self) -> None:
+        """Raises the failure of the save in flight if it has failed; never blocks."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def _save(self, step: int, state, meta: dict[str, Any], metrics) -> None:
+        """Checks, writes, reads back and applies retention (see `save`)."""
         checksums, nonfinite = _host_pass(state)
         if nonfinite is not None:
             raise CheckpointWriteError(
@@ -359,7 +408,6 @@ class Checkpointer:
             )
         self._metrics[step] = meta.get("metrics")
         self._apply_retention()
-        return True
 
     def record_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         """Adds validation metrics to the saved step `step` (measured after it was saved),
@@ -368,7 +416,7 @@ class Checkpointer:
         Only the meta item's JSON file changes (written atomically); the state and
         its checksums are untouched. A step that no longer exists is ignored.
         """
-        if step not in self.all_steps():
+        if step not in self.all_steps():  # waits for the save in flight
             return
         meta = self.read_meta(step)
         meta["metrics"] = {k: float(v) for k, v in metrics.items()}
@@ -427,7 +475,7 @@ class Checkpointer:
         return problem
 
     def _kept(self) -> str:
-        steps = self.all_steps()
+        steps = self._all_steps()
         if not steps:
             return "there is no earlier checkpoint"
         return f"the previous checkpoint (step {steps[-1]}) is kept"
@@ -447,11 +495,11 @@ class Checkpointer:
 
     def _apply_retention(self) -> None:
         """Deletes the steps that are neither among the last `keep` nor the best `keep_best`."""
-        steps = self.all_steps()
+        steps = self._all_steps()
         kept = set(steps[-self.keep :])
         if self.keep_best:
             kept |= set(
-                best_steps(self.step_metrics(), self.best_metric, self.best_mode, self.keep_best)
+                best_steps(self._step_metrics(), self.best_metric, self.best_mode, self.keep_best)
             )
         for step in steps:
             if step not in kept:
@@ -469,8 +517,12 @@ class Checkpointer:
 
     def step_metrics(self) -> dict[int, dict[str, float]]:
         """{step: the metrics saved with it} for the steps saved with metrics."""
+        self.wait()
+        return self._step_metrics()
+
+    def _step_metrics(self) -> dict[int, dict[str, float]]:
         out = {}
-        for step in self.all_steps():
+        for step in self._all_steps():
             if step not in self._metrics:
                 try:
                     self._metrics[step] = self.read_meta(step).get("metrics")
@@ -494,6 +546,7 @@ class Checkpointer:
           CheckpointIntegrityError: stored checksums disagree with the bytes read,
             or the meta item is unreadable.
         """
+        self.wait()
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
@@ -537,8 +590,9 @@ class Checkpointer:
             skipped: an older library must not silently train past it).
           CheckpointIntegrityError: no step is usable.
         """
+        self.wait()
         self._manager.reload()
-        steps = self.all_steps()
+        steps = self._all_steps()
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         bad: list[tuple[int, str]] = []
@@ -632,7 +686,22 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
+        """Waits for the save in flight; raises its `CheckpointWriteError` if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
         self._manager.wait_until_finished()
 
-    def close(self) -> None:
-        self._manager.close()
+    def close(self, *, failing: bool = False) -> None:
+        """Waits for the save in flight and closes. With `failing` (the run is ending on
+        another error, which must not be masked) a failed save is logged, not raised."""
+        try:
+            self.wait()
+        except CheckpointWriteError as e:
+            if not failing:
+                raise
+            self._log(f"error: {e}")
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self._manager.close()

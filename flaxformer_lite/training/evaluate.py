@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -30,6 +31,14 @@ class Evaluation(NamedTuple):
 
 # The exposure-report metrics an evaluation's log line shows.
 EXPOSURE_SHOWN = ("eb_tf_token_accuracy", "eb_fr_token_accuracy", "eb_accuracy_gap")
+
+
+class Stopped(Exception):
+    """An evaluation stopped between batches because `should_stop` said so."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"stopped after {done} of {total} batches")
+        self.done, self.total = done, total
 
 
 def is_exposure_detail(name: str) -> bool:
@@ -62,6 +71,7 @@ def evaluate(
     bleu: bool = False,
     wer: bool = False,
     exposure: exposure_probe.Probe | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Evaluation:
     """Teacher-forced metrics, and free-running decoding scored against the references.
 
@@ -79,6 +89,8 @@ def evaluate(
       exposure: also the exposure-bias report (`evaluation/exposure_bias.py`) of
         the same examples: `Probe.for_search` of decode_fn's search, so that
         greedy tokens are reused.
+      should_stop: asked before each batch and between its programs (a stop signal,
+        `StopSignals.poll`); True ends the evaluation by raising `Stopped`.
     Returns:
       metrics, (prediction, reference) pairs of every evaluated example, the
       BLEU signature when `bleu` (computed with the scores, not again), and the
@@ -89,7 +101,10 @@ def evaluate(
     totals: dict[str, float] = {}
     hyps: list[str] = []
     probed: list[exposure_probe.ProbeArrays] = []
+    stop = should_stop or (lambda: False)
     for i in range(n):
+        if stop():
+            raise Stopped(i, n)
         host = dataset[i]
         rows = partitioning.process_rows(len(host["valid"]), mesh)
         batch = step_lib.device_batch({k: v[rows] for k, v in host.items()}, mesh)
@@ -99,6 +114,8 @@ def evaluate(
         decoded = decode_fn(params, batch)
         predicted = multihost_utils.process_allgather(decoded, tiled=True)
         hyps.extend(detokenize(predicted[host["valid"]], len(hyps)))
+        if exposure is not None and stop():  # the probe's passes cost as much as decoding
+            raise Stopped(i, n)
         if exposure is not None:
             probed.append(exposure.arrays(params, batch, decoded).rows(host["valid"]))
     refs = references[: len(hyps)]

@@ -118,12 +118,16 @@ class Run:
     # A speech split's source descriptions, printed with its examples (text splits: none).
     descriptions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
-    def close(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.close()
-        if self.writer is not None:
-            self.writer.close()
-        self.ckpt.close()
+    def close(self, *, failing: bool = False) -> None:
+        """Closes the run once the save in flight is verified; `failing`: see
+        `Checkpointer.close`."""
+        try:
+            self.ckpt.close(failing=failing)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+            if self.writer is not None:
+                self.writer.close()
 
     def watch(self, kind: str, what: str):
         """The hang watchdog's deadline around one step, evaluation or save."""
@@ -142,18 +146,33 @@ class Run:
         with self.watch("save", f"checkpoint {step}"):
             return self.ckpt.save(step, self.state, meta, force=force, metrics=metrics)
 
-    def stop_if_preempted(self, step: int) -> None:
-        """Raises `Preempted` (after a checkpoint at `step`) when a stop signal arrived."""
-        if self.signals is None or not self.signals.requested():
+    def stop_if_preempted(self, step: int, *, sync: bool = False) -> None:
+        """Raises `Preempted` (after a checkpoint at `step`) when a stop signal arrived.
+
+        Between steps it polls (`StopSignals.poll`: with several processes, agreed at
+        every `train.preemption_check_every`-th call); with `sync`, every process agrees now.
+        """
+        if self.signals is None:
+            return
+        if not (self.signals.requested() if sync else self.signals.poll()):
             return
         saved = step > self.start
         if saved:
             self.save(step, force=True)
+            with self.watch("save", f"checkpoint {step}"):
+                self.ckpt.wait()  # "checkpoint saved" once it is verified
         raise Preempted(step, saved)
 
     def evaluate(self, split: str, step: int, max_batches: int | None = None):
-        with self.watch("eval", f"{split} evaluation at step {step}"):
-            result = self._evaluate(split, max_batches)
+        """Evaluates `split`; a stop signal ends it between batches with `Preempted`
+        (after the checkpoint of `step`, which `final_evaluation` has already saved)."""
+        try:
+            with self.watch("eval", f"{split} evaluation at step {step}"):
+                result = self._evaluate(split, max_batches)
+        except evaluate_lib.Stopped as e:
+            self.log(f"step {step} {split} evaluation: {e}")
+            self.stop_if_preempted(step, sync=True)
+            raise  # (not reached: a stop was agreed on)
         self.writer.write(step, split, result.record())
         self.log(f"step {step} {split}: {evaluate_lib.shown_metrics(result.metrics)}")
         return result
@@ -168,6 +187,7 @@ class Run:
             eval_fn=self.eval_step,
             decode_fn=self.decode_fn,
             max_batches=max_batches,
+            should_stop=None if self.signals is None else self.signals.poll,
             bleu=self.config.train.eval_bleu,
             wer=datasets.has_features(run_config_lib.parse(self.config).data),
             exposure=exposure_probe.Probe.for_search(
@@ -215,6 +235,7 @@ def _checkpointer(config, workdir: str, state, log: Log) -> checkpoints.Checkpoi
         best_metric=t.best_metric,
         best_mode=run_config_lib.BEST_METRICS[t.best_metric],
         log=log,
+        asynchronous=t.async_checkpoints,
     )
 
 
@@ -296,7 +317,7 @@ def prepare(
             # Every process reports its own hang (the others' logs may be silent).
             run.watchdog = watchdog.Watchdog(factor=t.hang_factor, min_seconds=t.hang_min_seconds)
     except BaseException:
-        run.close()
+        run.close(failing=True)
         raise
     return run
 
@@ -337,7 +358,7 @@ def train_loop(run: Run) -> None:
         disable=not t.progress_bar or jax.process_index() != 0,
         dynamic_ncols=True,
     )
-    run.stop_if_preempted(run.start)
+    run.stop_if_preempted(run.start, sync=True)
     if run.early_stop.exhausted:  # a resumed run that had already stopped
         run.log(run.early_stop.message(run.start))
         return
@@ -350,6 +371,7 @@ def train_loop(run: Run) -> None:
             run.state, sums = run.train_step(run.state, step_lib.device_batch(host, run.mesh))
             run.guard.add(done, sums)
             run.guard.check(1)  # the step before: the host stays one step ahead
+            run.ckpt.check()  # a background save that failed ends the run here
         sums_acc = sums if sums_acc is None else jax.tree.map(jnp.add, sums_acc, sums)
         if done % t.log_every == 0 or done == t.num_steps:
             elapsed = time.perf_counter() - t_log
@@ -389,7 +411,7 @@ def final_evaluation(run: Run) -> dict[str, float]:
     t = run.config.train
     final_step = int(run.state.step)
     run.save(final_step, force=True)
-    run.stop_if_preempted(final_step)
+    run.stop_if_preempted(final_step, sync=True)
     results: dict[str, float] = {"step": final_step}
     for split in run.eval_sets:
         if split == "validation" and run.validated and run.validated[0] == final_step:
@@ -445,8 +467,12 @@ def train_and_evaluate(
     with signals:
         run = prepare(config, workdir, log, on_checked)
         run.signals = signals
+        signals.check_every = config.train.preemption_check_every
         try:
             train_loop(run)
-            return final_evaluation(run)
-        finally:
-            run.close()
+            results = final_evaluation(run)
+        except BaseException:
+            run.close(failing=True)  # a failed background save is logged, not raised over this
+            raise
+        run.close()  # raises the failure of a save still in flight
+        return results

@@ -8,9 +8,13 @@ the process exits at once. Checkpoints are written into a temporary directory
 and renamed when complete, so an exit in the middle of a save leaves nothing
 that a resume would pick.
 
-In a multi-process job the processes must stop at the same step (the save is
-collective), but a signal may reach only some of them, or them at different
-steps: `requested()` is then agreed on by all processes at every step.
+The loop polls between steps and between evaluation batches (`poll`), so a
+stop is honoured within a step or a batch wherever the run is: a cloud
+preemption notice leaves ~30 s. In a multi-process job the processes must stop
+at the same point (the save is collective), but a signal may reach only some
+of them, or them at different steps: they agree with a collective, which
+`poll` runs only at every `check_every`-th call (each process polls at the same
+points, so their counts agree), and `requested()` at every call.
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ class StopSignals:
     Outside the main thread (where Python cannot install handlers) it does nothing.
     """
 
-    def __init__(self, log=lambda s: print(s, file=sys.stderr)):
+    def __init__(self, log=lambda s: print(s, file=sys.stderr), check_every: int = 1):
+        if check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
         self._log = log
         self._received: str | None = None
         self._previous: dict[int, object] = {}
+        self.check_every = check_every
+        self._polls = 0
 
     @property
     def received(self) -> str | None:
@@ -70,6 +78,15 @@ class StopSignals:
             return self._received is not None
         flags = multihost_utils.process_allgather(np.int32(self._received is not None))
         return bool(np.asarray(flags).any())
+
+    def poll(self) -> bool:
+        """`requested()` where it is cheap: always with one process; with several, at
+        every `check_every`-th call (False between), all processes calling at the same points.
+        """
+        if jax.process_count() == 1:
+            return self._received is not None
+        self._polls += 1
+        return self._polls % self.check_every == 0 and self.requested()
 
 
 class Preempted(Exception):
