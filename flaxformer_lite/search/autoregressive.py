@@ -19,8 +19,11 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 
 from flaxformer_lite.constants import PAD_ID
+from flaxformer_lite.parallel.partitioning import BATCH_AXES
 
 NEG_INF = -1.0e7  # log-probability of an impossible candidate; finite so sums stay ordered
 SKIP_CHUNK = 8  # beam search checks for early exit every this many steps (or a divisor)
@@ -39,6 +42,31 @@ class TokensToLogits(Protocol):
     def __call__(self, token_ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
 
 
+def rows_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` over the last axis of x [B, ..., N], each device on its own rows.
+
+    XLA's partitioner has no rule for top-k along a split batch axis: it
+    all-gathers the operand onto every device (in beam search, the [B, K, V]
+    log-probabilities at every step). Under a mesh (`jax.set_mesh`, as
+    `predict.decode`'s callers set it) whose batch axes split B, the top-k
+    runs per shard instead, which is exact since rows are independent.
+    Returns (values [B, ..., k], indices int32 [B, ..., k]).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    shards = int(np.prod([mesh.shape[a] for a in axes]))
+    if not axes or x.shape[0] % shards:
+        return jax.lax.top_k(x, k)
+    spec = PartitionSpec(axes)
+    return jax.shard_map(
+        lambda rows: tuple(jax.lax.top_k(rows, k)),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=(spec, spec),
+        axis_names=set(axes),
+    )(x)
+
+
 # ----------------------------------------------------------------------------
 # Greedy and sampling.
 # ----------------------------------------------------------------------------
@@ -53,7 +81,7 @@ def _filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
       float32[batch, vocab].
     """
     if top_k > 0 and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        kth = rows_top_k(logits, top_k)[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if 0.0 < top_p < 1.0:
         order = jnp.argsort(-logits, axis=-1)  # [B, V] best first
@@ -215,15 +243,28 @@ def _gather_beams(x: jax.Array, beam_idx: jax.Array) -> jax.Array:
 def _gather_cache(cache: Any, beam_idx: jax.Array, batch: int, beams: int) -> Any:
     """Reorders the [B*K, ...] leaves of a cache by parent beam; scalars stay.
 
-    A row gather on the flat leading axis: each row (one beam's whole cache) is
-    one contiguous block, so this is a block copy, not an element gather.
+    Each leaf is seen as [B, K, ...] and gathered along the beam axis only, so
+    every example's beams stay where they are: with the batch split over devices
+    each device reorders its own rows. (A gather on the flat B*K axis reads rows
+    of any example, and SPMD partitioning then all-gathers the whole cache at
+    every step.) Each picked row is one beam's contiguous cache: a block copy.
     """
-    flat = (jnp.arange(batch)[:, None] * beams + beam_idx).reshape(-1)  # [B*K]
-    # mode="clip": the indices are in bounds by construction, and the default
-    # fill mode's per-element bounds check costs half again as much as the copy.
-    return jax.tree.map(
-        lambda leaf: leaf if leaf.ndim == 0 else jnp.take(leaf, flat, axis=0, mode="clip"), cache
-    )
+
+    def reorder(leaf: jax.Array) -> jax.Array:
+        if leaf.ndim == 0:
+            return leaf
+        beamed = leaf.reshape(batch, beams, *leaf.shape[1:])  # [B, K, ...]
+        # mode="clip": the indices are in bounds by construction, and the default
+        # fill mode's per-element bounds check costs half again as much as the copy.
+        picked = jnp.take_along_axis(
+            beamed,
+            beam_idx.reshape(batch, beams, *([1] * (leaf.ndim - 1))),
+            axis=1,
+            mode="clip",
+        )
+        return picked.reshape(leaf.shape)
+
+    return jax.tree.map(reorder, cache)
 
 
 def beam_search(
@@ -309,9 +350,9 @@ def _top_candidates(
     # Two stages: the global top 2K lies in the union of each beam's own top 2K, so a
     # [B, K, V] -> [B, K, 2K] pass and a [B, 2K^2] -> [B, 2K] pass replace one top-k over
     # K*V per row.
-    beam_best, beam_tok = jax.lax.top_k(logp, min(2 * k, v))  # [B, K, 2K]
+    beam_best, beam_tok = rows_top_k(logp, min(2 * k, v))  # [B, K, 2K]
     cand = (state.live_logp[:, :, None] + beam_best).reshape(b, -1)  # [B, K*2K]
-    cand_logp, flat = jax.lax.top_k(cand, 2 * k)  # [B, 2K], sorted best first
+    cand_logp, flat = rows_top_k(cand, 2 * k)  # [B, 2K], sorted best first
     parent = flat // beam_best.shape[-1]  # [B, 2K]
     token = jnp.take_along_axis(beam_tok.reshape(b, -1), flat, axis=1).astype(jnp.int32)
     seqs = _gather_beams(state.live_seqs, parent)  # [B, 2K, L]
@@ -332,7 +373,7 @@ def _merge_finished(
     new_scores = jnp.where(ends, cand_logp / length_penalty(score_len, alpha), NEG_INF)
     all_seqs = jnp.concatenate([state.fin_seqs, seqs], axis=1)  # [B, 3K, L]
     all_scores = jnp.concatenate([state.fin_scores, new_scores], axis=1)
-    fin_scores, keep = jax.lax.top_k(all_scores, k)  # sorted best first
+    fin_scores, keep = rows_top_k(all_scores, k)  # sorted best first
     return _gather_beams(all_seqs, keep), fin_scores
 
 
@@ -367,7 +408,7 @@ def _beam_step(
 
     # Live beams: the best K candidates that did not end.
     live_cand = jnp.where(is_eos, NEG_INF, cand_logp)
-    live_logp, pick = jax.lax.top_k(live_cand, k)  # [B, K]
+    live_logp, pick = rows_top_k(live_cand, k)  # [B, K]
     live_seqs = _gather_beams(seqs, pick)
     last = _gather_beams(token, pick)
     cache = _gather_cache(cache, _gather_beams(parent, pick), b, k)

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.search.autoregressive import rows_top_k
+
 LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
@@ -64,7 +66,7 @@ def length_candidates(
       int32[B, beam].
     """
     classes = length_logits.shape[-1]
-    _, best = jax.lax.top_k(length_logits, beam)  # [B, beam], most likely first
+    _, best = rows_top_k(length_logits, beam)  # [B, beam], most likely first
     length = source_len[:, None].astype(jnp.int32) + best - classes // 2
     scaled = jnp.round(length.astype(jnp.float32) * scale).astype(jnp.int32)
     return jnp.clip(scaled, 1, max_len)

@@ -110,14 +110,19 @@ def evaluate(
         batch = step_lib.device_batch({k: v[rows] for k, v in host.items()}, mesh)
         for k, v in jax.device_get(eval_fn(params, batch)).items():
             totals[k] = totals.get(k, 0.0) + float(v)
-        # [B, T]; a plain host copy with one process, an all-gather across processes.
-        decoded = decode_fn(params, batch)
+        # Under the mesh, the searches keep each device's top-k on its own rows
+        # (`search.autoregressive.rows_top_k`) instead of gathering the batch.
+        with jax.set_mesh(mesh):
+            decoded = decode_fn(params, batch)  # [B, T]
+        # A plain host copy with one process, an all-gather across processes.
         predicted = multihost_utils.process_allgather(decoded, tiled=True)
         hyps.extend(detokenize(predicted[host["valid"]], len(hyps)))
         if exposure is not None and stop():  # the probe's passes cost as much as decoding
             raise Stopped(i, n)
         if exposure is not None:
-            probed.append(exposure.arrays(params, batch, decoded).rows(host["valid"]))
+            with jax.set_mesh(mesh):
+                arrays = exposure.arrays(params, batch, decoded)
+            probed.append(arrays.rows(host["valid"]))
     refs = references[: len(hyps)]
     metrics = cross_entropy.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
