@@ -46,7 +46,12 @@ flags.DEFINE_integer("d_ff", 2048, "Feed-forward size.")
 flags.DEFINE_integer("num_heads", 8, "Attention heads.")
 flags.DEFINE_integer("num_layers", 6, "Encoder and decoder layers each.")
 flags.DEFINE_bool("scan_layers", False, "Run the layers as one lax.scan (faster compile).")
-flags.DEFINE_bool("remat", False, "With --scan_layers: recompute activations in the backward pass.")
+flags.DEFINE_string(
+    "remat",
+    "none",
+    "Per layer, what the backward pass recomputes instead of storing (model.remat): none, "
+    "full, nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable.",
+)
 flags.DEFINE_bool("uncached", True, "Also time greedy search without the KV cache.")
 flags.DEFINE_enum(
     "dtype",

@@ -39,8 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
     m.dtype = "auto"  # matmul operands: auto = bfloat16 on GPU/TPU, float32 on CPU; softmax,
     # LayerNorm statistics, loss and every matmul's accumulation stay float32
     m.param_dtype = "float32"  # storage of parameters (optim.state_dtype: of Adam's moments)
-    m.scan_layers = False  # one lax.scan over layers (faster compiles for deep models)
-    m.remat = False  # with scan_layers: recompute activations in the backward pass
+    m.scan_layers = False  # one lax.scan over layers stored stacked (faster compiles when deep)
+    # per layer, what the backward pass recomputes instead of storing: none | full |
+    # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable
+    m.remat = "none"
 
     config.data = d = ml_collections.ConfigDict()
     d.dataset = "number_words"  # the generated task (see flaxformer_lite/data/numbers.py)

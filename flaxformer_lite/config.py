@@ -30,6 +30,17 @@ NORMS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu")
 ATTENTION_IMPLS = ("auto", "vmap", "fast", "cudnn", "splash")  # see nn/kernels.py
 DROPOUT_RNGS = ("hash", "threefry")
+# What a layer keeps for the backward pass (models/blocks.remat_policy): "none" keeps every
+# activation; the others recompute the layer's forward pass in the backward one, saving
+# nothing ("full", "nothing_saveable"), every matmul output ("dots_saveable") or those
+# without batch dimensions (the weight matmuls, "dots_with_no_batch_dims_saveable").
+REMAT_POLICIES = (
+    "none",
+    "full",
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+)
 
 
 class ConfigError(ValueError):
@@ -67,14 +78,16 @@ class TransformerConfig:
     layer_norm_epsilon: float = 1e-6
     dtype: Any = jnp.float32  # compute dtype ("auto" in run configs: bf16 on GPU/TPU, fp32 CPU)
     param_dtype: Any = jnp.float32  # storage dtype of parameters
-    scan_layers: bool = False  # run the layers as one lax.scan (compiles one layer body)
-    remat: bool = False  # with scan_layers: recompute layer activations in the backward pass
+    scan_layers: bool = False  # one lax.scan over parameters stored stacked [L, ...] per leaf
+    remat: str = "none"  # per layer: what the backward pass recomputes (REMAT_POLICIES)
     # Convolutional front end for features (nn/subsampling.py): each layer halves the frames.
     subsampling_layers: int = 0  # 0: none; n: n stride-2 Conv1d + GLU layers (2**n fewer frames)
     subsampling_kernel: int = 5  # odd kernel width of every conv layer
     subsampling_channels: int = 256  # channels after each conv's GLU
 
     def __post_init__(self):
+        if isinstance(self.remat, bool):  # run configs saved when remat was a switch
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
         for name in (
             "vocab_size",
             "d_model",
@@ -123,6 +136,7 @@ class TransformerConfig:
             ("activation", ACTIVATIONS),
             ("attention_impl", ATTENTION_IMPLS),
             ("dropout_rng", DROPOUT_RNGS),
+            ("remat", REMAT_POLICIES),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(

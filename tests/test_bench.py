@@ -105,7 +105,8 @@ def test_cli_flags_reach_the_benchmarked_model():
     from conftest import ROOT
 
     args = "--mode train --repeats 1 --batch 2 --source_len 8 --target_len 8"
-    args += " --config configs/tiny.py --config.model.d_ff=48 --num_layers 2 --scan_layers --remat"
+    args += " --config configs/tiny.py --config.model.d_ff=48 --num_layers 2 --scan_layers"
+    args += " --remat dots_saveable"
     result = subprocess.run(
         [sys.executable, "bench.py", *args.split(), "--json=/dev/stdout"],
         cwd=ROOT,
@@ -117,10 +118,14 @@ def test_cli_flags_reach_the_benchmarked_model():
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout[result.stdout.index("{") :])
     model = out["config"]
-    assert model["scan_layers"] and model["remat"] and model["num_encoder_layers"] == 2
+    assert (
+        model["scan_layers"]
+        and model["remat"] == "dots_saveable"
+        and model["num_encoder_layers"] == 2
+    )
     assert (model["d_model"], model["d_ff"], model["vocab_size"]) == (32, 48, 64)  # tiny's
     assert out["train"]["step_s"] > 0
-    assert "layers scanned, rematerialised" in result.stderr
+    assert "layers scanned, remat dots_saveable" in result.stderr
     from flaxformer_lite.tools import host_memory
 
     # JAX_PLATFORMS=cpu: --host_malloc=auto keeps freed memory wherever glibc is the C library.

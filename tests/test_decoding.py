@@ -9,8 +9,8 @@ import pytest
 from conftest import tiny_model_config
 from flax import linen as nn
 
-from flaxformer_lite.models import predict
-from flaxformer_lite.models.transformer import Transformer
+from flaxformer_lite.models import layer_layout, predict
+from flaxformer_lite.models.transformer import Transformer, init_cache
 from flaxformer_lite.search import autoregressive
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -86,6 +86,36 @@ def test_cached_and_uncached_searches_agree(method):
     np.testing.assert_allclose(a[1], b[1], atol=1e-5)
     if method == "beam":
         assert len({tuple(x) for x in np.asarray(a[0])[0]}) == a[0].shape[1]  # distinct n-best
+
+
+def test_scanned_layers_decode_as_the_unrolled_ones():
+    """Layers stored stacked (`scan_layers`): cached greedy equals the full recompute (which
+    runs the scan at every step) and the unrolled model on the same weights; the decoder's
+    own cached step, which slices the stacked weights per layer, equals the unrolled one."""
+    params = _params(TINY)
+    scanned, stacked = Transformer(TINY.replace(scan_layers=True)), layer_layout.stack(params)
+    a = _decode(scanned, stacked, "greedy", cached=True)
+    _assert_nontrivial(a[0])
+    np.testing.assert_array_equal(a[0], _decode(scanned, stacked, "greedy", cached=False)[0])
+    np.testing.assert_array_equal(a[0], _decode(Transformer(TINY), params, "greedy", True)[0])
+
+    def steps(model, params):
+        variables = {"params": params}
+        encoded = model.apply(variables, SRC, method="encode")
+        kv = model.apply(variables, encoded, method="precompute_cross_kv")
+        cache = init_cache(TINY, SRC.shape[0], TGT.shape[1])
+        out = []
+        for t in range(3):
+            logits, cache = model.apply(
+                variables, TGT[:, t : t + 1], cache, kv, SRC != 0, method="decode_step"
+            )
+            out.append(logits)
+        return jnp.concatenate(out, 1), cache
+
+    (got, got_cache), (want, want_cache) = steps(scanned, stacked), steps(Transformer(TINY), params)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
 
 
 def test_beam_search_with_a_prefix_equals_full_recompute():

@@ -1,5 +1,6 @@
 """Model properties: padding and causality, positions, packing, scan, attention weights."""
 
+import functools
 import json
 import math
 import pathlib
@@ -11,7 +12,8 @@ import pytest
 from conftest import tiny_model_config
 from flax import linen as nn
 
-from flaxformer_lite.config import ConfigError, TransformerConfig
+from flaxformer_lite.config import REMAT_POLICIES, ConfigError, TransformerConfig
+from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.nn.embeddings import Embed, sinusoidal_positions
@@ -205,24 +207,69 @@ def test_packed_examples_never_see_each_other():
     assert not np.allclose(a[0, 3:], b[0, 3:])
 
 
-@pytest.mark.parametrize("remat", [False, True])
+def _loss_and_grads(cfg, params):
+    loss = lambda p: jnp.sum(Transformer(cfg).apply({"params": p}, SRC, TGT) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@functools.cache
+def _unrolled_loss_and_grads():
+    return _loss_and_grads(TINY, _init(TINY))
+
+
+@pytest.mark.parametrize("remat", REMAT_POLICIES)
 def test_scan_over_layers_equals_unrolled(remat):
-    """Same parameters, same logits and gradients, with the layers as one lax.scan."""
+    """The same weights, stored stacked and run as one lax.scan: same logits, loss and
+    gradients (the stacked gradients are the unrolled ones stacked), with every remat
+    policy (unrolled with the policy too)."""
     params = _init(TINY)
+    stacked = layer_layout.stack(params)
+    assert stacked["decoder"]["layers"]["ffn"]["wi"]["kernel"].shape == (2, 16, 32)
+    assert "layer_0" not in stacked["decoder"]
     scanned = TINY.replace(scan_layers=True, remat=remat)
-
-    def loss(cfg, p):
-        return jnp.sum(Transformer(cfg).apply({"params": p}, SRC, TGT) ** 2)
-
     np.testing.assert_allclose(
-        Transformer(scanned).apply({"params": params}, SRC, TGT),
+        Transformer(scanned).apply({"params": stacked}, SRC, TGT),
         Transformer(TINY).apply({"params": params}, SRC, TGT),
         atol=1e-5,
     )
-    g_scan = jax.jit(jax.grad(lambda p: loss(scanned, p)))(params)
-    g_unrolled = jax.jit(jax.grad(lambda p: loss(TINY, p)))(params)
-    for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_unrolled), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    loss_u, g_unrolled = _unrolled_loss_and_grads()
+    runs = [(scanned, stacked, lambda g: g)]
+    if remat != "none":
+        runs.append((TINY.replace(remat=remat), params, layer_layout.stack))
+    for cfg, p, restack in runs:
+        loss, grads = _loss_and_grads(cfg, p)
+        np.testing.assert_allclose(loss, loss_u, rtol=1e-6)
+        expected = layer_layout.stack(g_unrolled)
+        for a, b in zip(jax.tree.leaves(restack(grads)), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_scanned_parameters_are_stored_stacked_with_an_unsharded_layer_axis():
+    """init stores [L, ...] leaves under "layers", whose logical axis the rules replicate;
+    unstacking gives the unrolled model's tree."""
+    from flaxformer_lite.parallel import partitioning
+
+    boxed = Transformer(TINY.replace(scan_layers=True)).init(jax.random.PRNGKey(0), SRC, TGT)
+    specs = nn.get_partition_spec(boxed)["params"]
+    assert tuple(specs["encoder"]["layers"]["ffn"]["wi"]["kernel"]) == ("layers", "embed", "mlp")
+    assert dict(partitioning.LOGICAL_RULES)["layers"] is None
+    shapes = jax.tree.map(jnp.shape, layer_layout.unstack(nn.meta.unbox(boxed["params"])))
+    assert shapes == jax.tree.map(jnp.shape, _init(TINY))
+
+
+def test_parameters_in_the_other_layout_are_refused_with_the_conversion():
+    params = _init(TINY)
+    with pytest.raises(ValueError, match="layer_layout.to_layout"):
+        Transformer(TINY.replace(scan_layers=True)).apply({"params": params}, SRC, TGT)
+    with pytest.raises(ValueError, match="scan_layers=False"):
+        Transformer(TINY).apply({"params": layer_layout.stack(params)}, SRC, TGT)
+
+
+def test_unknown_remat_policy_is_a_config_error_naming_the_choices():
+    with pytest.raises(ConfigError, match="model.remat='dots'.*dots_with_no_batch_dims_saveable"):
+        TINY.replace(remat="dots")
+    assert TINY.replace(remat=True).remat == "full"  # run configs saved when it was a switch
+    assert TINY.replace(remat=False).remat == "none"
 
 
 @pytest.mark.parametrize(
@@ -292,8 +339,9 @@ def test_scan_equals_unrolled_with_dropout(dropout_rng):
     for scan in (False, True):
         model = AutoregressiveModel(cfg.replace(scan_layers=scan), label_smoothing=0.1)
         loss = jax.jit(jax.value_and_grad(lambda p, m=model: m.loss(p, batch, key, 0)[0]))
-        results.append(loss(params))
+        results.append(loss(layer_layout.to_layout(params, scan)))
     (loss_u, grad_u), (loss_s, grad_s) = results
+    grad_u = layer_layout.stack(grad_u)
     no_dropout = AutoregressiveModel(TINY).loss(params, batch, key, 0)[0]
     assert abs(float(loss_u) - float(no_dropout)) > 1e-3  # dropout is really on
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
@@ -330,7 +378,7 @@ def test_attention_weights_on_every_path_inside_a_jitted_train_step():
 
             return grads, captured_attention(sown, LAYERS, cfg)
 
-        got[mode] = jax.jit(step)(params)[1]
+        got[mode] = jax.jit(step)(layer_layout.to_layout(params, cfg.scan_layers))[1]
     for name in LAYERS:
         w = np.asarray(got["unrolled"][name])
         assert w.shape[:2] == (2, TINY.num_heads)

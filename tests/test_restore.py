@@ -100,3 +100,53 @@ def test_no_optimizer_moments_are_read(workdir, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def _set_scan_layers(workdir: str, scanned: bool) -> None:
+    """Rewrites the workdir's run config as a run with `model.scan_layers=scanned` saves it."""
+    import json
+
+    path = os.path.join(workdir, "run_config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    saved["model"]["scan_layers"] = scanned
+    with open(path, "w") as f:
+        json.dump(saved, f)
+
+
+def test_checkpoints_restore_across_the_layer_layouts(workdir, tmp_path, tfds_dir):
+    """A per-layer checkpoint (an unrolled run's, or a scanned run's written before scanned
+    parameters were stored stacked) restores into a model that stores them stacked, and a
+    stacked one into an unrolled model: the same numbers, parameters and Adam's moments,
+    and a resume may flip `model.scan_layers`."""
+    from flaxformer_lite.models import layer_layout
+
+    _, state, _, _ = loop.restore_trained(workdir, 20)
+    old = copy_of(workdir, tmp_path)
+    _set_scan_layers(old, True)
+    params, _ = restore.restore_params(old, 20)
+    assert "layers" in params["decoder"] and "layer_0" not in params["decoder"]
+    assert jax.tree.structure(params) == jax.tree.structure(layer_layout.stack(state.params))
+    for a, b in zip(leaves(params), leaves(layer_layout.stack(state.params)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _, scanned, _, _ = loop.restore_trained(old, 20)
+    want = layer_layout.stack(state)
+    assert jax.tree.structure(scanned) == jax.tree.structure(want)
+    for a, b in zip(leaves(scanned), leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    stacked = str(tmp_path / "stacked")
+    shutil.copytree(workdir, stacked)
+    rewrite_state(stacked, 20, layer_layout.stack)  # as a scanned run writes it
+    params, _ = restore.restore_params(stacked, 20)  # its run config reads them unrolled
+    for a, b in zip(leaves(params), leaves(state.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _, unrolled, _, _ = loop.restore_trained(stacked, 20)
+    for a, b in zip(leaves(unrolled), leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    config = tiny_config(tfds_dir, num_steps=21)
+    config.model.scan_layers = True
+    lines = []
+    loop.train_and_evaluate(config, old, log=lines.append)
+    assert any("resumed from step 20" in line for line in lines), lines

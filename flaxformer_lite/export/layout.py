@@ -1,8 +1,8 @@
 """A trained model's parameters in the engine-neutral layout that every exporter reads.
 
-Our checkpoints store the layers per layer (`layer_0`, `layer_1`, ... also when the
-run trained with `model.scan_layers`: the scan stacks them at run time,
-`models/blocks.scan_layers`), with kernels in flax's [in, out] order and attention
+Our checkpoints store the layers per layer (`layer_0`, `layer_1`, ...; a run trained
+with `model.scan_layers` stores them stacked and is read layer by layer,
+`models/layer_layout.py`), with kernels in flax's [in, out] order and attention
 kernels split by head ([D, 3, N, H] for Q/K/V). Inference engines (CTranslate2,
 PyTorch) store every linear map as `weight` [out, in] plus `bias` [out]. `model_layout`
 converts once, to plain numpy:
@@ -184,7 +184,10 @@ def model_layout(params: dict, cfg: TransformerConfig, position_rows: int = 1024
         raise ExportError("feature inputs have no token embedding to export")
     import flax.linen as nn
 
-    params = nn.meta.unbox(params)  # as `init` returns them, or plain as restored
+    from flaxformer_lite.models import layer_layout
+
+    # As `init` returns them or plain as restored; a scanned model's layers one by one.
+    params = layer_layout.unstack(nn.meta.unbox(params))
     if "shared_embedding" in params:
         source = target = _np(params["shared_embedding"]["embedding"])
     else:

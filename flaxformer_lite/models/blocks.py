@@ -1,4 +1,4 @@
-"""The encoder and decoder layers, and running a stack of them as one `lax.scan`.
+"""The encoder and decoder layers, running a stack of them as one `lax.scan`, and remat.
 
 Each layer is straight-line code: sub-layers in residual + LayerNorm
 wrappers, masks passed in (built once per pass, `nn/masks.py`), attention
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax.core.scope import LazyRng
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.models.layer_layout import STACKED
 from flaxformer_lite.nn import attention
 from flaxformer_lite.nn.dropout import KEYS
 from flaxformer_lite.nn.layers import FeedForward, Residual
@@ -136,27 +137,97 @@ def _unrolled_dropout_keys(parent: nn.Module, sites, num_layers: int) -> dict:
     return tree
 
 
+_POLICIES = {
+    "full": None,  # jax.checkpoint's default: only the layer's inputs are kept
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def rematerialized(fn, config: TransformerConfig, *, module: bool = False):
+    """`fn` recomputing its forward pass in the backward one as `config.remat` says.
+
+    "none" returns `fn` itself. With `module`, `fn(module, *args)` takes a bound
+    layer (flax's lifted `nn.remat`); otherwise `fn` is pure (`jax.checkpoint`,
+    without the CSE barrier: inside `lax.scan` the loop already keeps XLA from
+    merging the recomputation with the forward pass).
+    """
+    if config.remat == "none":
+        return fn
+    policy = _POLICIES[config.remat]
+    if module:
+        return nn.remat(fn, policy=policy)
+    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+def check_layout(stack: nn.Module) -> None:
+    """Raises ValueError, naming the conversion, if a stack's parameters are in the other
+    layout than its `config.scan_layers` reads (flax would only say one is missing)."""
+    if stack.is_initializing():
+        return
+    scanned = stack.config.scan_layers
+    other = "layer_0" if scanned else STACKED
+    if stack.has_variable("params", other):
+        raise ValueError(
+            f"{stack.name}: the parameters hold the layers "
+            f"{'unrolled' if scanned else 'stacked'} but model.scan_layers={scanned}; "
+            f"convert them with models.layer_layout.to_layout(params, scanned={scanned})"
+        )
+
+
+def init_stacked(layer: nn.Module, num_layers: int, example: tuple):
+    """The init function of a stack's parameters stored stacked: [L, ...] per leaf.
+
+    Each layer is initialised as it would be alone, from its own key, and the
+    logical names gain `layer_layout.STACKED` for the leading axis (unsharded:
+    `parallel/partitioning.py`).
+
+    Args:
+      layer: an unbound layer (`parent=None`).
+      example: positional inputs that initialise it (shapes [1, 1, D]: the
+        parameters do not depend on lengths).
+    """
+
+    def init(rng: jax.Array):
+        def one(key):
+            return layer.init({"params": key}, *example, deterministic=True)["params"]
+
+        params = jax.vmap(one)(jax.random.split(rng, num_layers))
+        return jax.tree.map(
+            lambda p: (
+                p.add_axis(0, {nn.PARTITION_NAME: STACKED})
+                if isinstance(p, nn.meta.AxisMetadata)
+                else p
+            ),
+            params,
+            is_leaf=lambda p: isinstance(p, nn.meta.AxisMetadata),
+        )
+
+    return init
+
+
 def scan_layers(
     parent: nn.Module,
     layer: nn.Module,
-    num_layers: int,
+    stacked: dict,
     x: jax.Array,
     args: tuple,
     deterministic: bool,
     capture: tuple[int, ...] = (),
     first=lambda out: out,
 ) -> jax.Array:
-    """Runs `num_layers` identical layers as one `lax.scan` over their stacked parameters.
+    """Runs identical layers as one `lax.scan` over their parameters, stored stacked.
 
-    The parameters keep their per-layer layout (`layer_0`, `layer_1`, ...), so
-    checkpoints are the same with or without scanning; they are stacked here,
-    [L, ...] per leaf, and the layer body is compiled once instead of L times.
-    With `config.remat` each layer's activations are recomputed in the
-    backward pass instead of stored.
+    The scan reads each leaf [L, ...] as it is stored (`layer_layout`), so
+    nothing is copied per call, and the layer body is compiled once instead
+    of L times. With `config.remat` each layer's activations are recomputed
+    in the backward pass as its policy says (`rematerialized`).
 
     Args:
-      parent: the bound stack module (its params hold `layer_i`).
+      parent: the bound stack module (draws the dropout keys, re-sows captures).
       layer: an unbound layer (e.g. `EncoderLayer(cfg, capture_self=True)`).
+      stacked: the layers' parameters, [L, ...] per leaf.
       x: [B, T, D] input of the first layer.
       args: the layer's other positional inputs (encoder output, masks), the
         same for every layer.
@@ -166,10 +237,7 @@ def scan_layers(
     Returns:
       [B, T, D] output of the last layer.
     """
-    params = parent.variables["params"]
-    stacked = jax.tree.map(
-        lambda *p: jnp.stack(p), *[params[f"layer_{i}"] for i in range(num_layers)]
-    )
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
     keys = (
         None if deterministic else _unrolled_dropout_keys(parent, layer.DROPOUT_SITES, num_layers)
     )
@@ -186,8 +254,7 @@ def scan_layers(
             return first(out), sown["intermediates"]
         return first(out), None
 
-    if parent.config.remat:
-        body = jax.checkpoint(body)
+    body = rematerialized(body, parent.config)
     y, sown = jax.lax.scan(body, x, (stacked, keys))
     for i in capture:
         layer_sown = jax.tree.map(lambda s, i=i: s[i], sown)

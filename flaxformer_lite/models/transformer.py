@@ -48,8 +48,16 @@ import jax.numpy as jnp
 
 from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.constants import PAD_ID
-from flaxformer_lite.models.blocks import DecoderLayer, EncoderLayer, scan_layers
+from flaxformer_lite.models.blocks import (
+    DecoderLayer,
+    EncoderLayer,
+    check_layout,
+    init_stacked,
+    rematerialized,
+    scan_layers,
+)
 from flaxformer_lite.models.capture import parse_capture
+from flaxformer_lite.models.layer_layout import STACKED
 from flaxformer_lite.nn import masks
 from flaxformer_lite.nn.dropout import Dropout
 from flaxformer_lite.nn.embeddings import AddPositions, Embed, FeatureProjection
@@ -93,15 +101,18 @@ class Encoder(nn.Module):
             x = self.embed(inputs)
         x = AddPositions(cfg, name="positions")(x, positions)
         x = Dropout(cfg.dropout_rate, cfg.dropout_rng)(x, deterministic=deterministic)  # §5.4
-        if cfg.scan_layers and not self.is_initializing():
+        check_layout(self)
+        if cfg.scan_layers:
             layer = EncoderLayer(cfg, capture_self=bool(self.capture), parent=None)
-            x = scan_layers(
-                self, layer, cfg.num_encoder_layers, x, (mask,), deterministic, self.capture
-            )
+            example = (jnp.zeros((1, 1, cfg.d_model), cfg.dtype), None)
+            stacked = self.param(STACKED, init_stacked(layer, cfg.num_encoder_layers, example))
+            x = scan_layers(self, layer, stacked, x, (mask,), deterministic, self.capture)
         else:
+            run = rematerialized(
+                lambda layer, x: layer(x, mask, deterministic=deterministic), cfg, module=True
+            )
             for i in range(cfg.num_encoder_layers):
-                layer = EncoderLayer(cfg, capture_self=i in self.capture, name=f"layer_{i}")
-                x = layer(x, mask, deterministic=deterministic)
+                x = run(EncoderLayer(cfg, capture_self=i in self.capture, name=f"layer_{i}"), x)
         if cfg.norm == "pre":
             x = layer_norm(cfg, "final_norm")(x)
         return x
@@ -117,17 +128,23 @@ class Decoder(nn.Module):
 
     def setup(self):
         cfg = self.config
+        check_layout(self)
         self.positions = AddPositions(cfg)
         self.dropout = Dropout(cfg.dropout_rate, cfg.dropout_rng)
-        self.layers = [
-            DecoderLayer(
-                cfg,
-                capture_self=i in self.capture_self,
-                capture_cross=i in self.capture_cross,
-                name=f"layer_{i}",
-            )
-            for i in range(cfg.num_decoder_layers)
-        ]
+        if cfg.scan_layers:
+            d = jnp.zeros((1, 1, cfg.d_model), cfg.dtype)
+            init = init_stacked(self._unbound_layer(), cfg.num_decoder_layers, (d, d, None, None))
+            self.stacked = self.param(STACKED, init)  # [L, ...] per leaf
+        else:
+            self.layers = [
+                DecoderLayer(
+                    cfg,
+                    capture_self=i in self.capture_self,
+                    capture_cross=i in self.capture_cross,
+                    name=f"layer_{i}",
+                )
+                for i in range(cfg.num_decoder_layers)
+            ]
         if cfg.norm == "pre":
             self.final_norm = layer_norm(cfg, "final_norm")
         if not cfg.tie_output_embedding:
@@ -206,36 +223,52 @@ class Decoder(nn.Module):
         embedded = y
         y = self.positions(y, positions)
         y = self.dropout(y, deterministic=deterministic)
-        if self.config.scan_layers and not self.is_initializing():
-            capture = tuple(sorted(set(self.capture_self) | set(self.capture_cross)))
-            layer = DecoderLayer(
-                self.config,
-                capture_self=bool(self.capture_self),
-                capture_cross=bool(self.capture_cross),
-                parent=None,
-            )
+        if self.config.scan_layers:
             y = scan_layers(
                 self,
-                layer,
-                len(self.layers),
+                self._unbound_layer(),
+                self.stacked,
                 y,
                 (encoded, self_mask, cross_mask),
                 deterministic,
-                capture,
+                self._captured(),
                 first=lambda out: out[0],
             )
             return self._outputs(y, embedded, features)
+        run = rematerialized(
+            lambda layer, y: layer(y, encoded, self_mask, cross_mask, deterministic=deterministic)[
+                0
+            ],
+            self.config,
+            module=True,
+        )
         for layer in self.layers:
-            y, _ = layer(y, encoded, self_mask, cross_mask, deterministic=deterministic)
+            y = run(layer, y)
         return self._outputs(y, embedded, features)
+
+    def _unbound_layer(self) -> DecoderLayer:
+        """The layer the scanned stack applies with each layer's parameters."""
+        return DecoderLayer(
+            self.config,
+            capture_self=bool(self.capture_self),
+            capture_cross=bool(self.capture_cross),
+            parent=None,
+        )
+
+    def _captured(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.capture_self) | set(self.capture_cross)))
 
     def cross_kv(self, encoded: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
         """Every layer's cross-attention keys [B, N, H, S] and values [B, N, S, H]."""
-        out = []
-        for layer in self.layers:
-            k, v = layer.cross_attention.project_kv(encoded)  # each [B, S, N, H]
-            out.append((k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)))
-        return out
+        if self.config.scan_layers:
+            project = lambda p: self._unbound_layer().apply(
+                {"params": p}, encoded, method=lambda m, e: m.cross_attention.project_kv(e)
+            )
+            ks, vs = jax.vmap(project)(self.stacked)  # each [L, B, S, N, H]
+            pairs = [(ks[i], vs[i]) for i in range(ks.shape[0])]
+        else:
+            pairs = [layer.cross_attention.project_kv(encoded) for layer in self.layers]
+        return [(k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)) for k, v in pairs]
 
     def step(
         self,
@@ -263,22 +296,33 @@ class Decoder(nn.Module):
         embedded = self.embed(tokens)
         y = self.positions(embedded, positions[None, :])
         new_layers = []
-        for layer, layer_cache, kv in zip(self.layers, cache["layers"], cross_kv, strict=True):
-            y, updated = layer(
-                y,
-                None,
-                self_mask,
-                cross_mask,
-                deterministic=True,
-                cache={**layer_cache, "index": index},
-                cross_kv=kv,
-            )
+        for i, (layer_cache, kv) in enumerate(zip(cache["layers"], cross_kv, strict=True)):
+            args = (y, None, self_mask, cross_mask)
+            kw = dict(deterministic=True, cache={**layer_cache, "index": index}, cross_kv=kv)
+            if self.config.scan_layers:
+                y, updated = self._stacked_step(i, args, kw)
+            else:
+                y, updated = self.layers[i](*args, **kw)
             new_layers.append({"k": updated["k"], "v": updated["v"]})
         cache = {"layers": new_layers, "index": index + length}
         if features:
             logits, feats = self._outputs(y, embedded, True)
             return logits, cache, feats
         return self._logits(y), cache
+
+    def _stacked_step(self, i: int, args: tuple, kw: dict):
+        """Layer `i` of a scanned stack on a decoding step, with its slice of the parameters.
+
+        (`models/predict.cached_step` unstacks them once per call instead, outside the
+        search loop.)"""
+        capture = self._captured()
+        params = jax.tree.map(lambda p: p[i], self.stacked)
+        mutable = ["intermediates"] if i in capture else False
+        out = self._unbound_layer().apply({"params": params}, *args, **kw, mutable=mutable)
+        if mutable:
+            out, sown = out
+            self.sow("intermediates", f"scanned_layer_{i}", sown["intermediates"])
+        return out
 
 
 def encoder_and_decoder(

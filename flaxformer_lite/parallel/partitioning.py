@@ -59,6 +59,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", MODEL_AXIS),
     ("features", None),  # the input size of a feature front end
     ("length_classes", None),  # a non-autoregressive model's length classifier
+    ("layers", None),  # the leading axis of scanned layers' parameters: each step reads one
 )
 
 

@@ -260,7 +260,7 @@ def _describe(config, log) -> None:
         f"{config.num_decoder_layers} layers, d_model {config.d_model}, d_ff {config.d_ff}, "
         f"{config.num_heads} heads, vocab {config.vocab_size}, {config.dtype}"
         + (", layers scanned" if config.scan_layers else "")
-        + (", rematerialised" if config.remat else "")
+        + (f", remat {config.remat}" if config.remat != "none" else "")
     )
     from flaxformer_lite.nn import precision
 

@@ -208,9 +208,11 @@ def _tensor(a) -> torch.Tensor:
 
 def _copy_stack(model: Seq2Seq, side: str, stack, ours: dict[str, Any]) -> None:
     """Our encoder or decoder (`side`) into torch's layer `stack` and its position table."""
+    from flaxformer_lite.models import layer_layout
+
     d = model.config.d_model
     for i, layer in enumerate(stack.layers):
-        p = ours[f"layer_{i}"]
+        p = layer_layout.layer(ours, i)  # either layout
         _copy_attention(layer.self_attn, p["self_attention"], d)
         _copy_norm(layer.norm1, p["self_attention_residual"]["norm"])
         _copy_ffn(layer, p["ffn"])

@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from flaxformer_lite import files
+from flaxformer_lite.models import layer_layout
 from flaxformer_lite.training.checkpoint_checks import (
     all_processes as _all_processes,
 )
@@ -555,9 +556,9 @@ class Checkpointer:
         return self._restore_state(abstract_state, step, meta, verify), meta
 
     def _restore_state(self, abstract_state, step: int, meta: dict[str, Any], verify: bool):
+        target, convert = self._saved_layers_layout(step, abstract_state)
         restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}),
+            step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
         )
         state = restored[STATE_ITEM]
         if verify and "checksums" in meta:
@@ -569,7 +570,34 @@ class Checkpointer:
                     self.directory,
                     f"{len(bad)} array(s) differ from their saved checksums (first: {bad[0]})",
                 )
-        return state
+        return convert(state)
+
+    def _saved_layers_layout(self, step: int, abstract_state):
+        """(the restore target in the layout of the layers `step` holds, a function that
+        puts a state restored in it back into `abstract_state`'s layout and shardings).
+
+        A run may store its layers stacked or unrolled (`model.scan_layers`,
+        `models/layer_layout.py`): a checkpoint of either restores into the other, so
+        a resume may flip `scan_layers` and checkpoints written before parameters were
+        stored stacked resume with it on.
+        """
+        path = epath.Path(self.directory) / str(step) / STATE_ITEM
+        try:
+            saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+        except Exception:
+            return abstract_state, lambda state: state  # the restore itself then says why
+        there, here = layer_layout.is_stacked(saved), layer_layout.is_stacked(abstract_state)
+        if there is None or here is None or there == here:
+            return abstract_state, lambda state: state
+        wanted = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract_state
+        )
+
+        def convert(state):
+            converted = layer_layout.to_layout(state, here)
+            return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), converted, wanted)
+
+        return layer_layout.to_layout(wanted, there), convert
 
     def restore_latest_good(self, abstract_state):
         """Restores the newest usable checkpoint, setting the unusable newer ones aside.

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from flaxformer_lite.models import layer_layout
 from flaxformer_lite.training import checkpoints
 
 PARAMS = "params"  # the train state's field holding the model parameters
@@ -246,8 +247,14 @@ def restore_params(
         if last is None:
             last = _read_verified(workdir, s, sharding)
         if average == 1:
-            return last, run_config
+            return _model_layout(last, run_config), run_config
         as_f32 = jax.tree.map(lambda x: x.astype(jnp.float32), last)
         total = as_f32 if total is None else jax.tree.map(jnp.add, total, as_f32)
     mean = jax.tree.map(lambda t, x: (t / average).astype(x.dtype), total, last)
-    return mean, run_config
+    return _model_layout(mean, run_config), run_config
+
+
+def _model_layout(params: Any, run_config: dict[str, Any]) -> Any:
+    """`params` with their layers stacked or not as the run config's model reads them: a
+    checkpoint written before `model.scan_layers` stored them stacked holds them unrolled."""
+    return layer_layout.to_layout(params, bool(run_config.get("model", {}).get("scan_layers")))

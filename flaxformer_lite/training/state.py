@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.parallel import partitioning
 
@@ -56,13 +57,16 @@ def param_shapes(model: Seq2SeqModel) -> ParamShapes:
 
     Paths join module names with "/", e.g. "decoder/layer_0/cross_attention/kv_kernel".
     Parameter shapes do not depend on the lengths: a [1, 8] source and target suffice.
+    Layers are listed unrolled also when stored stacked (`models/layer_layout.py`): the
+    layout is no property of the model, and checkpoints of either restore into the other.
     """
     shapes = init_shapes(model, 8, 8)
     params = jax.eval_shape(
         lambda rng: model.init(rng, shapes), jax.ShapeDtypeStruct((2,), jnp.uint32)
     )
     out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]:
+    unrolled = layer_layout.unstack(nn.meta.unbox(params))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(unrolled)[0]:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         out[name] = (tuple(int(n) for n in leaf.shape), jnp.dtype(leaf.dtype).name)
     return out
