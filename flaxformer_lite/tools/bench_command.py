@@ -329,7 +329,7 @@ def lower(opts: Options) -> dict:
     backend, which then simulates --lower_devices devices for the collectives)."""
     import jax
 
-    from flaxformer_lite.tools import lowering
+    from flaxformer_lite.tools import hlo_report, lowering
 
     f = opts.flags
     unknown = sorted(set(f.lower_programs) - set(lowering.PROGRAMS))
@@ -342,7 +342,27 @@ def lower(opts: Options) -> dict:
     names = tuple(f.lower_programs) or tuple(lowering.PROGRAMS)
     print(f"lowering for {', '.join(lowering.PLATFORMS)} from a {jax.default_backend()} host:")
     results = lowering.run(names)
-    out = {"lowered": [lowering.as_dict(r) for r in results]}
+    out = {"lowered": [lowering.as_dict(r) for r in results], "collectives": []}
+    print(
+        f"collectives on {jax.device_count()} simulated {jax.default_backend()} devices "
+        "(the partitioning is the same on every platform):"
+    )
+    for name, mesh in lowering.TRAFFIC:
+        if f.lower_programs and name not in f.lower_programs:
+            continue
+        t = lowering.traffic(name, mesh)
+        for line in lowering.traffic_lines(t):
+            print(line)
+        out["collectives"].append(
+            {
+                "program": name,
+                "mesh": t.mesh,
+                "bytes": hlo_report.summary(t.collectives),
+                "bytes_in_loop": hlo_report.summary(t.collectives, in_loop=True),
+                "activation_bytes": sum(c.nbytes for c in t.activations),
+                "involuntary_remats": len(t.remat_warnings),
+            }
+        )
     if f.json:
         with open(f.json, "w") as file:
             json.dump(out, file, indent=2)

@@ -37,6 +37,7 @@ import optax
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.nn import kernels
+from flaxformer_lite.tools import hlo_report
 
 PLATFORMS = ("cuda", "tpu")
 
@@ -58,7 +59,8 @@ class Program:
 
     name: str
     describe: str
-    build: Callable[[], tuple[Callable, tuple]]  # -> (function, abstract args)
+    # -> (function, abstract args, mesh -> the args' shardings by the library's rules)
+    build: Callable[[], tuple[Callable, tuple, Callable]]
 
 
 @dataclasses.dataclass
@@ -146,7 +148,7 @@ def _train(model, *, packed=False, grad_accum_steps=1):
         boxed = state_lib.abstract_state(model, tx, 0, S, T)
         abstract = jax.tree.map(_abstract, _unbox(boxed))
         fn = functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps)
-        return fn, (abstract, _batch(packed))
+        return fn, (abstract, _batch(packed)), _shardings(boxed, _batch(packed))
 
     return build
 
@@ -157,12 +159,30 @@ def _unbox(tree):
     return nn.meta.unbox(tree)
 
 
-def _params(model):
+def _boxed_params(model):
     from flaxformer_lite.training import state as state_lib
 
     shapes = state_lib.init_shapes(model, S, T)
-    boxed = jax.eval_shape(lambda rng: model.init(rng, shapes), jax.random.PRNGKey(0))
-    return jax.tree.map(_abstract, _unbox(boxed))
+    return jax.eval_shape(lambda rng: model.init(rng, shapes), jax.random.PRNGKey(0))
+
+
+def _params(model):
+    return jax.tree.map(_abstract, _unbox(_boxed_params(model)))
+
+
+def _shardings(boxed, batch):
+    """mesh -> (shardings of the boxed tree by the logical rules, the batch's sharding)."""
+
+    def on(mesh):
+        from flaxformer_lite.parallel import partitioning
+
+        rows = partitioning.batch_sharding(mesh)
+        return (
+            partitioning.logical_shardings(boxed, mesh),
+            {k: rows for k in batch},
+        )
+
+    return on
 
 
 def _autoregressive(**overrides):
@@ -189,9 +209,10 @@ def _nat_model():
 def _search(model_fn, search_fn):
     def build():
         model = model_fn()
-        params = _params(model)
+        boxed = _boxed_params(model)
         batch = {"inputs": jax.ShapeDtypeStruct((B, S), jnp.int32)}
-        return functools.partial(_predict, model=model, search=search_fn()), (params, batch)
+        fn = functools.partial(_predict, model=model, search=search_fn())
+        return fn, (jax.tree.map(_abstract, _unbox(boxed)), batch), _shardings(boxed, batch)
 
     return build
 
@@ -202,7 +223,9 @@ def _predict(params, batch, *, model, search):
 
 def _score():
     model = _autoregressive()
-    return functools.partial(_score_fn, model=model), (_params(model), _batch())
+    boxed = _boxed_params(model)
+    args = (jax.tree.map(_abstract, _unbox(boxed)), _batch())
+    return functools.partial(_score_fn, model=model), args, _shardings(boxed, _batch())
 
 
 def _score_fn(params, batch, *, model):
@@ -228,7 +251,7 @@ def _nat_search():
 
 
 def _scan_remat_model():
-    return _autoregressive(scan_layers=True, remat=True)
+    return _autoregressive(scan_layers=True, remat="dots_with_no_batch_dims_saveable")
 
 
 PROGRAMS: dict[str, Program] = {
@@ -348,7 +371,7 @@ def parse(text: str) -> tuple[tuple[str, ...], tuple[Matmul, ...]]:
 def lower(name: str, platform: str) -> Lowered:
     """Exports one program for one platform and reads its kernels and matmuls."""
     try:
-        fn, args = PROGRAMS[name].build()
+        fn, args, _ = PROGRAMS[name].build()
         text = export_text(fn, args, platform)
     except Exception as e:  # noqa: BLE001 - the report names what failed to lower
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -376,6 +399,79 @@ def report_lines(result: Lowered) -> list[str]:
         if why not in seen:
             seen.add(why)
             lines.append(f"    fp32 by design: {why}")
+    return lines
+
+
+# --- collectives on a simulated mesh ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class Traffic:
+    """The collectives of one program partitioned on a mesh."""
+
+    program: str
+    mesh: dict[str, int]
+    collectives: list  # hlo_report.Collective
+    param_shapes: set[tuple[int, ...]]  # every parameter's full and per-device shapes
+    remat_warnings: list[str]
+
+    def param_shaped(self, c) -> bool:
+        """Whether a collective moves (a piece of) a parameter, moment or gradient."""
+        squeezed = tuple(n for n in c.shape if n != 1)
+        return squeezed in self.param_shapes
+
+    @property
+    def activations(self) -> list:
+        """Collectives of anything but parameter-shaped arrays and scalars (> 64 bytes)."""
+        return [c for c in self.collectives if not self.param_shaped(c) and c.nbytes > 64]
+
+
+def traffic(name: str, mesh_shape: dict[str, int]) -> Traffic:
+    """Compiles one program for this host's devices, its arguments sharded on a mesh of
+    `mesh_shape` (e.g. {"fsdp": 8}; the data axis takes the remaining devices) by the
+    library's rules (`parallel/partitioning.py`), and reads its collectives and XLA's
+    involuntary-rematerialization warnings. Needs as many devices as the mesh (on a CPU:
+    `jax.config.update("jax_num_cpu_devices", n)` before JAX starts)."""
+    from flaxformer_lite.parallel import partitioning
+
+    fn, args, shardings = PROGRAMS[name].build()
+    mesh = partitioning.make_mesh(fsdp=mesh_shape.get("fsdp", 1), model=mesh_shape.get("model", 1))
+    in_shardings = shardings(mesh)
+    jax.clear_caches()
+    with hlo_report.capture_compile_log() as log, jax.set_mesh(mesh):
+        compiled = jax.jit(fn, in_shardings=in_shardings).lower(*args).compile()
+    shapes = set()
+    for leaf, sharding in zip(jax.tree.leaves(args[0]), jax.tree.leaves(in_shardings[0])):
+        for shape in (leaf.shape, sharding.shard_shape(leaf.shape)):
+            shapes.add(tuple(n for n in shape if n != 1))
+    return Traffic(
+        name,
+        dict(mesh.shape),
+        hlo_report.collectives(compiled.as_text()),
+        shapes,
+        hlo_report.remat_warnings(log[0]),
+    )
+
+
+def traffic_lines(t: Traffic) -> list[str]:
+    """The printed lines of one program's collectives."""
+    mesh = " x ".join(f"{k}={v}" for k, v in t.mesh.items() if v > 1) or "1 device"
+    loop = hlo_report.summary(t.collectives, in_loop=True)
+    lines = [
+        f"{t.program:18s} {mesh}: "
+        + (
+            ", ".join(
+                f"{k} {v / 2**20:.2f} MiB" for k, v in hlo_report.summary(t.collectives).items()
+            )
+            or "no collectives"
+        )
+        + (f"; inside the loop: {loop}" if loop else ""),
+        f"    activation collectives: {len(t.activations)} "
+        f"({sum(c.nbytes for c in t.activations) / 2**20:.2f} MiB); "
+        f"involuntary rematerializations: {len(t.remat_warnings)}",
+    ]
+    for c in sorted(t.activations, key=lambda c: -c.nbytes)[:3]:
+        lines.append(f"    {c.kind} {c.dtype}{list(c.shape)} {'loop' if c.in_loop else ''}")
     return lines
 
 
@@ -407,3 +503,8 @@ def run(
             for line in report_lines(result):
                 log(line)
     return results
+
+
+# What the collectives report compiles by default: the train step with parameters
+# sharded over 8 devices, and the searches with the batch split 8 ways.
+TRAFFIC = (("train_full", {"fsdp": 8}), ("greedy", {}), ("beam", {}))
