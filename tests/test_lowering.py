@@ -69,3 +69,38 @@ def test_cuda_train_step_holds_cudnn_flash_attention():
 def test_report_names_what_failed():
     bad = lowering.Lowered("train_full", "tpu", False, error="ValueError: no")
     assert lowering.report_lines(bad) == ["train_full         tpu   NOT LOWERED  ValueError: no"]
+
+
+SHARDED_SCRIPT = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+from flaxformer_lite.tools import lowering
+for mesh in ({}, {"fsdp": 8}, {"fsdp": 2, "model": 2}):
+    r = lowering.lower("train_full", "tpu", mesh)
+    assert r.ok, (mesh, r.error)
+    assert "pallas:splash_mha_dq_segmented_no_residuals" in r.kernels, r.kernels
+    heads = 2 // mesh.get("model", 1)
+    # one device's q: [heads, T, H] per example (vmapped), never the whole batch
+    for ops in r.kernel_operands:
+        assert f"tensor<{heads}x256x128xbf16>" in ops or f"x{heads}x256x128xbf16>" in ops, ops
+        assert "tensor<8x2x256x128xbf16>" not in ops, ops
+print("checked")
+"""
+
+
+def test_the_tpu_step_lowers_on_a_mesh_with_splash_per_device():
+    """Mosaic kernels cannot be partitioned by XLA: on a mesh, splash runs in shard_map on
+    each device's rows and heads (without it the sharded TPU step does not lower)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "checked" in out.stdout

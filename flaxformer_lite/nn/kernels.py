@@ -215,7 +215,54 @@ def cudnn_attention(q, k, v, mask: AttentionMask) -> jax.Array:
 
 def splash_attention(q, k, v, mask: AttentionMask, *, interpret: bool = False) -> jax.Array:
     """Pallas splash attention, vmapped over examples: a static causal/local pattern per
-    head, and segment ids for padding (0 = padding) and packed rows."""
+    head, and segment ids for padding (0 = padding) and packed rows. Under a mesh
+    (`jax.set_mesh`; the train step and the searches trace under theirs) the kernel runs
+    in `shard_map` on each device's rows and heads."""
+    b, t, n, h = q.shape
+    if mask.packed:
+        q_seg, kv_seg = mask.query_segments, mask.key_segments
+    else:  # every query is example 1; padded keys are segment 0, which no query attends
+        q_seg = jnp.ones((b, t), jnp.int32)
+        kv_seg = mask.key_valid.astype(jnp.int32)
+    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+    split = _mesh_split(b, n)
+    if split is None:
+        return _splash_local(q, k, v, q_seg, kv_seg, mask, interpret)
+    # XLA cannot partition a Mosaic (Pallas TPU) call at all ("wrap the call in a
+    # shard_map"): every mesh axis is manual here, each device runs the kernel on its own
+    # rows (and heads, with model > 1), replicated along the other axes.
+    mesh, rows, heads = split
+    qkv = jax.sharding.PartitionSpec(rows, None, heads, None)
+    seg = jax.sharding.PartitionSpec(rows, None)
+    return jax.shard_map(
+        lambda q, k, v, qs, ks: _splash_local(q, k, v, qs, ks, mask, interpret),
+        mesh=mesh,
+        in_specs=(qkv, qkv, qkv, seg, seg),
+        out_specs=qkv,
+        check_vma=False,  # the splash library declares its outputs without mesh axes
+    )(q, k, v, q_seg, kv_seg)
+
+
+def _mesh_split(batch: int, heads: int):
+    """(mesh, batch axes, head axis or None) of the mesh in context (`jax.set_mesh`), where
+    its batch axes divide the batch; None without such a mesh."""
+    from flaxformer_lite.parallel.partitioning import BATCH_AXES, MODEL_AXIS
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    if rows and batch % math.prod(mesh.shape[a] for a in rows):
+        rows = ()
+    model = mesh.shape.get(MODEL_AXIS, 1) if MODEL_AXIS in mesh.axis_names else 1
+    head_axis = MODEL_AXIS if model > 1 and heads % model == 0 else None
+    if not rows and head_axis is None:
+        return None
+    return mesh, rows, head_axis
+
+
+def _splash_local(q, k, v, q_seg, kv_seg, mask: AttentionMask, interpret: bool):
+    """The kernel on the arrays as given (one device's rows and heads)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -229,12 +276,7 @@ def splash_attention(q, k, v, mask: AttentionMask, *, interpret: bool = False) -
         block_sizes=_splash_blocks(t, s),
         interpret=interpret,
     )
-    if mask.packed:
-        q_seg, kv_seg = mask.query_segments, mask.key_segments
-    else:  # every query is example 1; padded keys are segment 0, which no query attends
-        q_seg = jnp.ones((b, t), jnp.int32)
-        kv_seg = mask.key_valid.astype(jnp.int32)
-    segments = splash.SegmentIds(q=q_seg.astype(jnp.int32), kv=kv_seg.astype(jnp.int32))
+    segments = splash.SegmentIds(q=q_seg, kv=kv_seg)
     scale = jnp.asarray(1.0 / math.sqrt(h), q.dtype)  # splash does not scale the scores
     heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, L, N, H] -> [B, N, L, H]
     out = jax.vmap(kernel)(heads_first(q * scale), heads_first(k), heads_first(v), segments)

@@ -353,6 +353,9 @@ def lower(opts: Options) -> dict:
         t = lowering.traffic(name, mesh)
         for line in lowering.traffic_lines(t):
             print(line)
+        for platform in lowering.PLATFORMS:  # the accelerators' kernels on the same mesh
+            r = lowering.lower(name, platform, mesh)
+            print(f"    {platform} on this mesh: " + ("lowered" if r.ok else r.error))
         out["collectives"].append(
             {
                 "program": name,

@@ -88,6 +88,7 @@ class Lowered:
     error: str = ""
     kernels: tuple[str, ...] = ()
     matmuls: tuple[Matmul, ...] = ()
+    kernel_operands: tuple[str, ...] = ()  # operand types of each attention kernel call
 
     @property
     def fp32_matmuls(self) -> list[Matmul]:
@@ -321,17 +322,25 @@ def cudnn_probe() -> Iterator[None]:
             setattr(fused, n, f)
 
 
-def export_text(fn: Callable, args: tuple, platform: str) -> str:
-    """The StableHLO text (with locations) of `fn(*args)` exported for `platform`."""
+def export_text(fn: Callable, args: tuple, platform: str, mesh=None, in_shardings=None) -> str:
+    """The StableHLO text (with locations) of `fn(*args)` exported for `platform`; with
+    `mesh`, traced under it with the arguments sharded by `in_shardings`."""
     jax.clear_caches()  # jit caches traces without the kernel target in the key
     probe = cudnn_probe() if platform == "cuda" else contextlib.nullcontext()
+    on_mesh = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+    jitted = jax.jit(fn) if mesh is None else jax.jit(fn, in_shardings=in_shardings)
     checks = []
-    with kernels.target({"cuda": "gpu"}.get(platform, platform)), probe:
+    with kernels.target({"cuda": "gpu"}.get(platform, platform)), probe, on_mesh:
+        if mesh is not None:
+            # jax.export cannot serialize a sharded cuDNN call (its partitioning rule is a
+            # Python callback): the same lowering, without serialization.
+            lowered = jitted.trace(*args).lower(lowering_platforms=(platform,))
+            return lowered.as_text(debug_info=True)
         for _ in range(2):
             try:
-                exported = jax.export.export(
-                    jax.jit(fn), platforms=[platform], disabled_checks=checks
-                )(*args)
+                exported = jax.export.export(jitted, platforms=[platform], disabled_checks=checks)(
+                    *args
+                )
                 break
             except ValueError as e:
                 # cuDNN's custom calls carry no serialization-compatibility guarantee (a
@@ -368,16 +377,39 @@ def parse(text: str) -> tuple[tuple[str, ...], tuple[Matmul, ...]]:
     return tuple(sorted(calls)), matmuls
 
 
-def lower(name: str, platform: str) -> Lowered:
-    """Exports one program for one platform and reads its kernels and matmuls."""
+def lower(name: str, platform: str, mesh_shape: dict[str, int] | None = None) -> Lowered:
+    """Exports one program for one platform and reads its kernels and matmuls; with
+    `mesh_shape` (e.g. {"fsdp": 8}; needs that many local devices), sharded on that mesh
+    by the library's rules."""
+    from flaxformer_lite.parallel import partitioning
+
     try:
-        fn, args, _ = PROGRAMS[name].build()
-        text = export_text(fn, args, platform)
+        fn, args, shardings = PROGRAMS[name].build()
+        if mesh_shape is None:
+            text = export_text(fn, args, platform)
+        else:
+            mesh = partitioning.make_mesh(
+                fsdp=mesh_shape.get("fsdp", 1), model=mesh_shape.get("model", 1)
+            )
+            text = export_text(fn, args, platform, mesh, shardings(mesh))
     except Exception as e:  # noqa: BLE001 - the report names what failed to lower
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return Lowered(name, platform, False, error=f"{type(e).__name__}: {first[:300]}")
     calls, matmuls = parse(text)
-    return Lowered(name, platform, True, kernels=calls, matmuls=matmuls)
+    return Lowered(
+        name, platform, True, kernels=calls, matmuls=matmuls, kernel_operands=_operands(text)
+    )
+
+
+def _operands(text: str) -> tuple[str, ...]:
+    """The operand types of each fused-attention custom call (one device's shapes)."""
+    found = []
+    for line in text.splitlines():
+        if "stablehlo.custom_call" in line and ("tpu_custom_call" in line or "__cudnn" in line):
+            m = re.search(r": \((.*?)\) ->", line)
+            if m:
+                found.append(m.group(1))
+    return tuple(found)
 
 
 def report_lines(result: Lowered) -> list[str]:

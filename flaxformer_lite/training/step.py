@@ -116,12 +116,20 @@ def jit_train_step(
     heap (measurements in PERF.md).
     """
     donate = () if mesh.devices.flat[0].platform == "cpu" else (0,)
+    step = functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps)
     return jax.jit(
-        functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps),
+        functools.partial(_under_mesh, step, mesh.abstract_mesh),
         in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
         out_shardings=(state_shardings, partitioning.replicated(mesh)),
         donate_argnums=donate,
     )
+
+
+def _under_mesh(fn, mesh, *args):
+    """`fn(*args)` traced with `mesh` in context: kernels XLA cannot partition (splash
+    attention) and per-row top-k run per device under `shard_map` (`nn/kernels.py`)."""
+    with jax.sharding.use_abstract_mesh(mesh):
+        return fn(*args)
 
 
 def jit_eval_step(model: Seq2SeqModel, mesh):
