@@ -188,3 +188,19 @@ def test_a_failed_metrics_append_leaves_no_torn_line(tmp_path, monkeypatch):
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 3]
+
+
+def test_device_prefetch_sends_the_next_batch_before_yielding_this_one():
+    from flaxformer_lite.training.train_data import device_prefetch
+
+    sent = []
+
+    def put(batch):
+        sent.append(batch)
+        return {"on_device": batch}
+
+    it = device_prefetch(iter(range(4)), put, size=2)
+    assert next(it) == {"on_device": 0} and sent == [0, 1]  # batch 1 already on its way
+    assert next(it) == {"on_device": 1} and sent == [0, 1, 2]
+    assert list(it) == [{"on_device": 2}, {"on_device": 3}] and sent == [0, 1, 2, 3]
+    assert list(device_prefetch(iter([7]), put, size=3)) == [{"on_device": 7}]
