@@ -202,3 +202,19 @@ def test_the_guard_adds_no_copy_of_the_state():
     hlo = step.lower(state, {"x": jnp.ones((256, 384), jnp.float32)}).compile().as_text()
     assert " conditional(" not in hlo
     assert not re.findall(r"= f32\[256,384\]\S* copy\(", hlo)
+
+
+def test_device_prefetch_sends_the_next_batch_before_yielding_this_one():
+    from flaxformer_lite.training.train_data import device_prefetch
+
+    sent = []
+
+    def put(batch):
+        sent.append(batch)
+        return {"on_device": batch}
+
+    it = device_prefetch(iter(range(4)), put, size=2)
+    assert next(it) == {"on_device": 0} and sent == [0, 1]  # batch 1 already on its way
+    assert next(it) == {"on_device": 1} and sent == [0, 1, 2]
+    assert list(it) == [{"on_device": 2}, {"on_device": 3}] and sent == [0, 1, 2, 3]
+    assert list(device_prefetch(iter([7]), put, size=3)) == [{"on_device": 7}]

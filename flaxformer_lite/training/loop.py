@@ -365,10 +365,15 @@ def train_loop(run: Run) -> None:
     batches = train_data.prefetch(
         lambda i: run.train_batches[i], run.first_batch, run.first_batch + t.num_steps - run.start
     )
-    for step, host in zip(range(run.start, t.num_steps), batches):
+    device_batches = train_data.device_prefetch(
+        batches, lambda host: step_lib.device_batch(host, run.mesh)
+    )
+    for step in range(run.start, t.num_steps):
         done = step + 1
         with run.watch("step", f"step {done}"):
-            run.state, sums = run.train_step(run.state, step_lib.device_batch(host, run.mesh))
+            # Sends the next step's batch on its way before this one runs.
+            batch = next(device_batches)
+            run.state, sums = run.train_step(run.state, batch)
             run.guard.add(done, sums)
             run.guard.check(1)  # the step before: the host stays one step ahead
             run.ckpt.check()  # a background save that failed ends the run here

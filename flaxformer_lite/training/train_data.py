@@ -4,11 +4,12 @@ Batches are random access (`batches[i]` is batch i, a pure function of the
 seed and i), so the iterator's state is one index; `checkpoint_meta` stores it
 with what decides the batch sequence, and `first_batch` reads it back on
 resume. `prefetch` builds the next batches on a host thread while the device
-runs the step.
+runs the step, and `device_prefetch` sends the next one to the devices.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -42,6 +43,18 @@ def prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2) 
         if isinstance(item, BaseException):
             raise item
         yield item
+
+
+def device_prefetch(batches: Iterator, put: Callable[[dict], dict], size: int = 2) -> Iterator:
+    """Yields put(batch) for each of `batches`, having called `put` on up to `size - 1` later
+    batches already: `jax.device_put` returns before the copy ends, so the next batch travels
+    to the devices while the current step runs."""
+    ahead: collections.deque = collections.deque()
+    for batch in batches:
+        ahead.append(put(batch))
+        if len(ahead) == size:
+            yield ahead.popleft()
+    yield from ahead
 
 
 def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer, log):
