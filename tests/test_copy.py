@@ -18,8 +18,8 @@ from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenized import tokenize_split
 from flaxformer_lite.data.tokenizer import Tokenizer
+from flaxformer_lite.models import layer_layout, predict
 from flaxformer_lite.models import pointer_generator as pg
-from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.objectives import pointer_generator as copy_loss
@@ -86,7 +86,10 @@ def test_the_scanned_layers_and_the_fast_kernel_give_the_same_mixture():
         copy=pg.CopyHead(layer=0),
     )
     np.testing.assert_allclose(
-        _log_probs(other, params), _log_probs(model, params), atol=1e-5, rtol=1e-5
+        _log_probs(other, layer_layout.stack(params)),
+        _log_probs(model, params),
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 

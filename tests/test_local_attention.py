@@ -9,7 +9,7 @@ from conftest import tiny_model_config
 
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.constants import BOS_ID, EOS_ID
-from flaxformer_lite.models import predict
+from flaxformer_lite.models import layer_layout, predict
 from flaxformer_lite.models.capture import captured_attention
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.nn import attention, local_attention, masks
@@ -149,6 +149,7 @@ def test_window_zero_is_the_dense_program(params):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_window_covering_the_sequence_equals_full_attention(params, scan):
+    params = layer_layout.to_layout(params, scan)
     inputs, targets = _batch()
     full = _logits(FULL.replace(scan_layers=scan), params, inputs, targets)
     for enc, dec in ((S, 0), (0, T), (S + 5, T + 2)):
@@ -246,6 +247,7 @@ def test_cached_greedy_equals_full_recompute_with_a_decoder_window(params):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_captured_local_weights_equal_the_dense_band_reference(params, scan):
+    params = layer_layout.to_layout(params, scan)
     window = 4
     cfg = FULL.replace(encoder_window=window, decoder_window=window, scan_layers=scan)
     inputs, targets = _batch()

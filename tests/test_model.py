@@ -4,6 +4,7 @@ import functools
 import json
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -244,17 +245,35 @@ def test_scan_over_layers_equals_unrolled(remat):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_scanned_gradient_compiles_one_layer_body_and_stacks_no_weights():
+    """2 and 4 scanned layers lower to the same matmuls (one body per stack), and no
+    [L, ...] array is concatenated per call: the scan reads the weights as stored."""
+
+    def lowered(n):
+        cfg = TINY.replace(scan_layers=True, num_encoder_layers=n, num_decoder_layers=n)
+        params = jax.eval_shape(lambda: _init(cfg))
+        loss = lambda p: jnp.sum(Transformer(cfg).apply({"params": p}, SRC, TGT) ** 2)
+        return jax.jit(jax.grad(loss)).lower(params).as_text()
+
+    two, four = lowered(2), lowered(4)
+    assert two.count("stablehlo.dot_general") == four.count("stablehlo.dot_general") > 0
+    assert not re.search(r"stablehlo.concatenate[^\n]*-> tensor<4x", four)
+
+
 def test_scanned_parameters_are_stored_stacked_with_an_unsharded_layer_axis():
     """init stores [L, ...] leaves under "layers", whose logical axis the rules replicate;
     unstacking gives the unrolled model's tree."""
     from flaxformer_lite.parallel import partitioning
 
-    boxed = Transformer(TINY.replace(scan_layers=True)).init(jax.random.PRNGKey(0), SRC, TGT)
+    def init(cfg):
+        return jax.eval_shape(lambda: Transformer(cfg).init(jax.random.PRNGKey(0), SRC, TGT))
+
+    boxed = init(TINY.replace(scan_layers=True))
     specs = nn.get_partition_spec(boxed)["params"]
     assert tuple(specs["encoder"]["layers"]["ffn"]["wi"]["kernel"]) == ("layers", "embed", "mlp")
     assert dict(partitioning.LOGICAL_RULES)["layers"] is None
     shapes = jax.tree.map(jnp.shape, layer_layout.unstack(nn.meta.unbox(boxed["params"])))
-    assert shapes == jax.tree.map(jnp.shape, _init(TINY))
+    assert shapes == jax.tree.map(jnp.shape, nn.meta.unbox(init(TINY)["params"]))
 
 
 def test_parameters_in_the_other_layout_are_refused_with_the_conversion():

@@ -123,6 +123,10 @@ def _library_train_step(
         "compile_s": t3 - t2,
         "params": float(sum(x.size for x in jax.tree.leaves(state.params))),
     }
+    memory = compiled.memory_analysis()  # the compiler's buffer assignment (None: not known)
+    if memory is not None:
+        results["temp_bytes"] = float(memory.temp_size_in_bytes)  # activations, workspace
+        results["peak_bytes"] = float(memory.peak_memory_in_bytes)  # with the live arguments
 
     holder = {"state": state}
 
@@ -179,6 +183,12 @@ def train_benchmark(
     log(
         f"trace {results['trace_s']:.2f} s, lower {results['lower_s']:.2f} s, "
         f"compile {results['compile_s']:.2f} s"
+        + (
+            f"; temp memory {results['temp_bytes'] / 2**20:.1f} MiB, peak "
+            f"{results['peak_bytes'] / 2**20:.1f} MiB (compiler's estimate)"
+            if "temp_bytes" in results
+            else ""
+        )
     )
     return results
 
