@@ -1,5 +1,6 @@
 """Decoding: the KV cache against the teacher-forced pass, and searches on hand-made logits."""
 
+import functools
 import math
 
 import jax
@@ -99,6 +100,7 @@ def test_scanned_layers_decode_as_the_unrolled_ones():
     np.testing.assert_array_equal(a[0], _decode(scanned, stacked, "greedy", cached=False)[0])
     np.testing.assert_array_equal(a[0], _decode(Transformer(TINY), params, "greedy", True)[0])
 
+    @functools.partial(jax.jit, static_argnums=0)
     def steps(model, params):
         variables = {"params": params}
         encoded = model.apply(variables, SRC, method="encode")

@@ -34,6 +34,10 @@ tokens (a forced prefix is written in one call), writes their keys/values at
 positions >= index + t, so its cost per step does not depend on the prefix
 length.
 
+Parameters: each stack's layers are `layer_0`, `layer_1`, ... or, with
+`config.scan_layers`, one `layers` subtree of [L, ...] leaves that a `lax.scan`
+reads as stored (`models/layer_layout.py` converts between the two).
+
 Attention probabilities: `Transformer(config, capture=("decoder/cross/-1", ...))`
 sows the chosen layers' probabilities into the "intermediates" collection on
 every path (unrolled, `scan_layers`, the fast kernel); apply with
