@@ -114,8 +114,9 @@ def jit_train_step(
     heap (measurements in PERF.md).
     """
     donate = () if mesh.devices.flat[0].platform == "cpu" else (0,)
+    step = functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps)
     return jax.jit(
-        functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps),
+        _under_mesh(step, mesh),
         in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
         out_shardings=(state_shardings, partitioning.replicated(mesh)),
         donate_argnums=donate,
@@ -124,7 +125,19 @@ def jit_train_step(
 
 def jit_eval_step(model: Seq2SeqModel, mesh):
     """`model.evaluate` jitted: (params, batch) -> metric sums, replicated on every process."""
-    return jax.jit(model.evaluate, out_shardings=partitioning.replicated(mesh))
+    return jax.jit(_under_mesh(model.evaluate, mesh), out_shardings=partitioning.replicated(mesh))
+
+
+def _under_mesh(fn, mesh):
+    """fn traced with `mesh` in context, where the layers' activation constraints
+    (`partitioning.constrain`) find it."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def device_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
