@@ -146,7 +146,7 @@ _FIELD_OF_AXIS = {
     "embed": "model.d_model",
     "heads": "model.num_heads",
     "mlp": "model.d_ff",
-    "vocab": "model.vocab_multiple (the padded vocabulary)",
+    "vocab": "data.vocab_size (and data.target_vocab_size)",
 }
 
 
