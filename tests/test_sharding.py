@@ -144,3 +144,117 @@ def test_tensor_parallel_step_gathers_no_kernel():
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert result.stdout.rstrip().endswith("checked"), result.stdout[-2000:]
+
+
+ACTIVATION_SCRIPT = """
+import sys
+import jax, numpy as np, optax
+sys.path.insert(0, {root!r})
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.tools import hlo_report
+from flaxformer_lite.training.state import create_state
+from flaxformer_lite.training.step import jit_train_step
+
+B, T = 16, 10  # B*T = 160 and its shards 20: no parameter has such a dimension
+config = TransformerConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
+                           num_decoder_layers=1, max_len=16, dropout_rate=0.1)
+model, tx = AutoregressiveModel(config, label_smoothing=0.1), optax.adam(1e-3)
+tokens = np.random.RandomState(0).randint(1, 128, (B, T)).astype(np.int32)
+
+def compile_step(fsdp, model_axis):
+    mesh = partitioning.make_mesh(fsdp=fsdp, model=model_axis)
+    state, shardings = create_state(model, tx, mesh, seed=0, source_len=T, target_len=T)
+    batch = partitioning.put_batch({{"inputs": tokens, "targets": tokens}}, mesh)
+    with hlo_report.capture_compile_log() as log:
+        compiled = jit_train_step(model, tx, mesh, shardings).lower(state, batch).compile()
+    params = [x.shape for x in jax.tree.leaves(state.params)]
+    return hlo_report.collectives(compiled.as_text()), hlo_report.remat_warnings(log[0]), params
+
+def moves_activations(c, shards):
+    rows = {{B * T, B * T // shards}}
+    return bool(c.shape) and (c.shape[0] in rows or c.shape[:2] in {{(B, T), (B // shards, T)}})
+
+found, remat, params = compile_step(fsdp=8, model_axis=1)
+print("fsdp=8", hlo_report.summary(found))
+assert not remat, remat
+moved = [c for c in found if moves_activations(c, 8)]
+assert not moved, moved
+# Non-vacuous: FSDP gathers the weights, and nothing else big moves.
+gathered = [c.shape for c in found if c.kind == "all-gather"]
+assert ({{s for s in params if len(s) == 2}} & set(gathered)), gathered
+# (weights may travel reshaped: a [D, 3, N, H] kernel as [D, 3*N*H]; compare sizes)
+sizes = {{int(np.prod(s)) for s in params}}
+other = [c for c in found if int(np.prod(c.shape)) not in sizes and c.nbytes > 16]
+assert not other, other
+
+found, remat, _ = compile_step(fsdp=2, model_axis=2)  # data=2 x fsdp=2 x model=2
+print("2x2x2", hlo_report.summary(found))
+assert not remat, remat
+assert not [c for c in found if c.kind in ("all-to-all", "collective-permute")], found
+print("checked")
+"""
+
+
+def test_activations_stay_in_the_batch_layout():
+    """fsdp=8: only weights (and scalars) cross devices, no [B*T, ...] activation; on a
+    2x2x2 mesh XLA never falls back to replicating an array to change its layout."""
+    result = subprocess.run(
+        [sys.executable, "-c", ACTIVATION_SCRIPT.format(root=ROOT)],
+        env=dict(
+            os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.rstrip().endswith("checked"), result.stdout[-2000:]
+
+
+MESH_SCRIPT = """
+import sys
+import jax, optax
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+from conftest import tiny_model_config
+from flaxformer_lite.config import ConfigError
+from flaxformer_lite.models.autoregressive import AutoregressiveModel
+from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.training.state import abstract_state
+
+mesh = partitioning.make_mesh(model=4)
+assert dict(mesh.shape) == {{"data": 2, "fsdp": 1, "model": 4}}, mesh
+assert partitioning.process_rows(8, mesh) == slice(0, 8)
+
+def shardings(**fields):
+    model = AutoregressiveModel(tiny_model_config(vocab_size=32, **fields))
+    return partitioning.logical_shardings(abstract_state(model, optax.adam(1e-3), 0, 6, 6), mesh)
+
+kernel = shardings(d_ff=48).params["decoder"]["layer_0"]["ffn"]["wi"]["kernel"]
+assert kernel.shard_shape((32, 48)) == (32, 12), kernel
+try:
+    shardings(d_ff=50)
+except ConfigError as e:
+    print(e)
+    assert "params/decoder/layer_0/ffn/wi/" in str(e) and "model.d_ff" in str(e), e
+    assert "50" in str(e) and "mesh.model=4" in str(e), e
+else:
+    raise AssertionError("d_ff=50 over mesh.model=4 was accepted")
+print("checked")
+"""
+
+
+def test_a_dimension_the_mesh_cannot_split_is_a_config_error():
+    """Not silently replicated: the error names the parameter, the field and the mesh axis."""
+    result = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT.format(root=ROOT)],
+        env=dict(
+            os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.rstrip().endswith("checked"), result.stdout[-2000:]

@@ -23,6 +23,10 @@ from flaxformer_lite.nn.dropout import Dropout
 from flaxformer_lite.nn.layers import project
 from flaxformer_lite.nn.masks import AttentionMask, LocalMask, dense
 from flaxformer_lite.nn.precision import dot_f32
+from flaxformer_lite.parallel.partitioning import constrain
+
+# [B, T, N, H] queries, keys and values: rows as the batch, heads over `model`.
+HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 
 # ----------------------------------------------------------------------------
 # The core, for one example and one head.
@@ -243,6 +247,7 @@ class MultiHeadAttention(nn.Module):
             if capture:
                 self.sow("intermediates", "attention_weights", weights)
         else:
+            q, k, v = (constrain(a, HEADS) for a in (q, k, v))
             out = self._teacher_forced(q, k, v, mask, capture, dropout)
         y = project(out, self.out_kernel.astype(dt), in_dims=2)  # btnh,nhd->btd
         return y + self.out_bias.astype(dt), new_cache

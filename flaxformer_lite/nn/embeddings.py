@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.nn.layers import Dense
+from flaxformer_lite.nn.layers import ACTIVATIONS, Dense
 from flaxformer_lite.nn.precision import dot_f32
+from flaxformer_lite.parallel.partitioning import constrain
 
 
 def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
@@ -63,8 +64,12 @@ class Embed(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int[B, T] -> [B, T, D], scaled by sqrt(d_model)."""
         cfg = self.config
-        x = jnp.take(self.embedding, tokens, axis=0).astype(cfg.dtype)
-        return x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
+        # The table whole along `embed` (gathered over fsdp, as a layer's weights are):
+        # a lookup in its fsdp slices would give [B, T, D / fsdp] pieces that have to
+        # be exchanged as activations (all-to-all) to reach the batch layout.
+        table = constrain(self.embedding, ("vocab", "activation_embed"))
+        x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
+        return constrain(x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype), ACTIVATIONS)
 
     def mixture(self, weights: jax.Array) -> jax.Array:
         """The weighted average of embeddings, scaled as `__call__`: float[B, T, V] -> [B, T, D].
@@ -86,7 +91,10 @@ class Embed(nn.Module):
         logits = dot_f32(
             "md,vd->mv", x.astype(cfg.dtype).reshape(-1, d), self.embedding.astype(cfg.dtype)
         )  # [M, V]
-        return logits.reshape(*lead, -1)
+        logits = logits.reshape(*lead, -1)
+        if len(lead) != 2:
+            return logits
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
 class AddPositions(nn.Module):

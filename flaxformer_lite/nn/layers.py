@@ -13,6 +13,9 @@ import jax
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.nn.dropout import Dropout
+from flaxformer_lite.parallel.partitioning import constrain
+
+ACTIVATIONS = ("activation_batch", "activation_length", "activation_embed")  # [B, T, D]
 
 
 def project(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
@@ -74,6 +77,7 @@ class FeedForward(nn.Module):
         """[B, T, D] -> [B, T, D]."""
         cfg = self.config
         h = Dense(cfg.d_ff, cfg, ("embed", "mlp"), name="wi")(x)  # [B, T, F]
+        h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
         h = _activation(cfg.activation)(h)
         return Dense(cfg.d_model, cfg, ("mlp", "embed"), name="wo")(h)  # [B, T, D]
 
@@ -116,4 +120,5 @@ class Residual(nn.Module):
     def __call__(self, x: jax.Array, y: jax.Array, *, deterministic: bool) -> jax.Array:
         """x: [B, T, D] the residual stream; y: [B, T, D] the sub-layer's output."""
         y = self.Dropout_0(y, deterministic=deterministic)
-        return x + y if self.config.norm == "pre" else self.norm(x + y)
+        out = x + y if self.config.norm == "pre" else self.norm(x + y)
+        return constrain(out, ACTIVATIONS)  # what every layer hands on

@@ -14,7 +14,9 @@ parameters carry (see `config.py`) to mesh axes:
 
 With fsdp = model = 1 (the default) every parameter is replicated and this is
 plain data parallelism; the same code runs on a 1-device mesh on a laptop CPU.
-A dimension that the mesh axis does not divide is replicated along it instead.
+A parameter dimension that its mesh axis does not divide is a config error
+(replicating it would silently cost the memory the axis was meant to save);
+an activation dimension is left whole instead (a batch of one while decoding).
 
 Several processes (hosts) form one job after `initialize_distributed`: the mesh
 then spans every process's devices, each process feeds only its own rows of
@@ -60,6 +62,17 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("features", None),  # the input size of a feature front end
     ("length_classes", None),  # a non-autoregressive model's length classifier
     ("layers", None),  # the leading axis of scanned layers' parameters: each step reads one
+    # Activations (`constrain`): rows split as the batch, the model dimension whole on
+    # every device (fsdp splits weights, not activations), heads / feed-forward units /
+    # vocabulary over `model` as their weights are. Pinned where layers hand them on,
+    # they keep XLA from choosing a layout that moves [B*T, ...] arrays between devices.
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", MODEL_AXIS),
+    ("activation_kv", None),
+    ("activation_mlp", MODEL_AXIS),
+    ("activation_vocab", MODEL_AXIS),
 )
 
 
@@ -93,8 +106,34 @@ def make_mesh(
             f"mesh.fsdp={fsdp} x mesh.model={model} must divide the {n} devices "
             f"({jax.process_count()} process(es)); the data axis gets the rest"
         )
-    grid = np.asarray(devices[:n]).reshape(n // (fsdp * model), fsdp, model)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    shape = (n // (fsdp * model), fsdp, model)
+    types = (AxisType.Auto,) * 3
+    try:
+        # Topology-aware: on TPUs (and GPUs with a known interconnect) neighbouring
+        # coordinates of the inner axes are neighbouring chips, so fsdp's and model's
+        # collectives ride the fastest links.
+        mesh = jax.make_mesh(shape, MESH_AXES, types, devices=devices[:n])
+        if _rows_per_process_contiguous(mesh):
+            return mesh
+    except (ValueError, NotImplementedError):  # e.g. a multi-slice or unknown topology
+        pass
+    # Simulated CPU devices, hand-picked device lists, and topologies that would
+    # interleave processes' rows: devices in process order.
+    return Mesh(np.asarray(devices[:n]).reshape(shape), MESH_AXES, axis_types=types)
+
+
+def _rows_per_process_contiguous(mesh: Mesh) -> bool:
+    """Whether every process's devices hold one contiguous block of a batch's rows."""
+    rows = batch_devices(mesh) * 2
+    index_map = batch_sharding(mesh).devices_indices_map((rows,))
+    blocks: dict[int, list[int]] = {}
+    for device, index in index_map.items():
+        blocks.setdefault(device.process_index, []).extend(range(rows)[index[0]])
+    for held in blocks.values():
+        held = sorted(set(held))
+        if held[-1] - held[0] + 1 != len(held):
+            return False
+    return True
 
 
 def mesh_from_config(config) -> Mesh:
@@ -103,7 +142,16 @@ def mesh_from_config(config) -> Mesh:
     return make_mesh(fsdp=section.get("fsdp", 1), model=section.get("model", 1))
 
 
-def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+# The run-config field that sets each sharded logical dimension of a parameter.
+_FIELD_OF_AXIS = {
+    "embed": "model.d_model",
+    "heads": "model.num_heads",
+    "mlp": "model.d_ff",
+    "vocab": "data.vocab_size (and data.target_vocab_size)",
+}
+
+
+def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh) -> PartitionSpec:
     """`spec` with the mesh axes dropped from every dimension they do not divide."""
     out = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -117,22 +165,67 @@ def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSp
     return PartitionSpec(*out)
 
 
+def _check_divisible(path: str, logical, spec: PartitionSpec, shape, mesh: Mesh) -> None:
+    """Raises ConfigError where a mesh axis does not divide the parameter dimension it splits.
+
+    Replicating such a dimension instead would silently store (and update) it in
+    full on every device of that axis: the memory and the traffic the layout
+    was chosen to avoid.
+    """
+    for i, (dim, axes) in enumerate(zip(shape, spec)):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = int(np.prod([mesh.shape[a] for a in names]))
+        if size > 1 and dim % size:
+            axis = logical[i] if i < len(logical) else None
+            mesh_axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in names)
+            field = _FIELD_OF_AXIS.get(axis, "the model's dimensions")
+            raise ConfigError(
+                f"parameter {path} {list(shape)}: its '{axis}' dimension {dim} is not "
+                f"divisible by {mesh_axes}; choose {field} divisible by {size}, or a "
+                f"smaller {mesh_axes.split('=')[0]}"
+            )
+
+
 def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings for a tree whose leaves may be `nn.LogicallyPartitioned`.
 
-    Leaves without axis names (step counters, optimiser scalars) are replicated,
-    and so is any dimension along a mesh axis that does not divide it (e.g. an
-    odd vocabulary size over `model`).
+    Leaves without axis names (step counters, optimiser scalars) are replicated.
+
+    Raises:
+      ConfigError: a mesh axis does not divide the dimension it would split
+        (naming the parameter and the config field to change).
     """
-    specs = nn.get_partition_spec(boxed_tree)
-    mesh_specs = nn.logical_to_mesh(specs, rules)
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    logical = nn.get_partition_spec(boxed_tree)
+    mesh_specs = nn.logical_to_mesh(logical, rules)
     shapes = nn.meta.unbox(boxed_tree)
-    return jax.tree.map(
-        lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
-        mesh_specs,
-        shapes,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
+
+    def sharding(path, spec, names, x):
+        _check_divisible(_path_name(path), tuple(names), spec, x.shape, mesh)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(sharding, mesh_specs, logical, shapes, is_leaf=is_spec)
+
+
+def _path_name(path) -> str:
+    """ "encoder/layer_0/ffn/wi/kernel" for a key path (optimiser states keep their own keys)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str, ...], rules=LOGICAL_RULES) -> jax.Array:
+    """x laid out as its logical axes say, on the mesh of the enclosing program.
+
+    The mesh is the abstract one in context (`jit_train_step` and the evaluation
+    set it; `jax.set_mesh` outside jit); without one, or on a single device,
+    x is returned as it is, so layers run unchanged outside a mesh. A mesh
+    axis that does not divide its dimension (a batch of 1 while decoding) is
+    dropped for this array.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    spec = nn.logical_to_mesh_axes(logical_axes, rules)
+    return jax.lax.with_sharding_constraint(x, _fit(spec, x.shape, mesh))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -118,23 +118,29 @@ def jit_train_step(
     donate = () if mesh.devices.flat[0].platform == "cpu" else (0,)
     step = functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps)
     return jax.jit(
-        functools.partial(_under_mesh, step, mesh.abstract_mesh),
+        _under_mesh(step, mesh),
         in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
         out_shardings=(state_shardings, partitioning.replicated(mesh)),
         donate_argnums=donate,
     )
 
 
-def _under_mesh(fn, mesh, *args):
-    """`fn(*args)` traced with `mesh` in context: kernels XLA cannot partition (splash
-    attention) and per-row top-k run per device under `shard_map` (`nn/kernels.py`)."""
-    with jax.sharding.use_abstract_mesh(mesh):
-        return fn(*args)
-
-
 def jit_eval_step(model: Seq2SeqModel, mesh):
     """`model.evaluate` jitted: (params, batch) -> metric sums, replicated on every process."""
-    return jax.jit(model.evaluate, out_shardings=partitioning.replicated(mesh))
+    return jax.jit(_under_mesh(model.evaluate, mesh), out_shardings=partitioning.replicated(mesh))
+
+
+def _under_mesh(fn, mesh):
+    """fn traced with `mesh` in context, where the layers' activation constraints
+    (`partitioning.constrain`) find it, and kernels XLA cannot partition (splash
+    attention) run per device under `shard_map` (`nn/kernels.py`)."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def device_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
