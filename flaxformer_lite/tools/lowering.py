@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable, Iterator
 
@@ -444,13 +445,14 @@ class Traffic:
     program: str
     mesh: dict[str, int]
     collectives: list  # hlo_report.Collective
-    param_shapes: set[tuple[int, ...]]  # every parameter's full and per-device shapes
+    param_sizes: set[int]  # every parameter's element count, whole and per device
     remat_warnings: list[str]
 
     def param_shaped(self, c) -> bool:
-        """Whether a collective moves (a piece of) a parameter, moment or gradient."""
-        squeezed = tuple(n for n in c.shape if n != 1)
-        return squeezed in self.param_shapes
+        """Whether a collective moves (a piece of) a parameter, moment or gradient: one
+        of their sizes, whole or one device's piece (XLA may merge their axes, as the
+        stacked Q/K/V kernel's [D, N, 3, H] into [D, 3NH])."""
+        return math.prod(c.shape) in self.param_sizes
 
     @property
     def activations(self) -> list:
@@ -472,15 +474,14 @@ def traffic(name: str, mesh_shape: dict[str, int]) -> Traffic:
     jax.clear_caches()
     with hlo_report.capture_compile_log() as log, jax.set_mesh(mesh):
         compiled = jax.jit(fn, in_shardings=in_shardings).lower(*args).compile()
-    shapes = set()
+    sizes = set()
     for leaf, sharding in zip(jax.tree.leaves(args[0]), jax.tree.leaves(in_shardings[0])):
-        for shape in (leaf.shape, sharding.shard_shape(leaf.shape)):
-            shapes.add(tuple(n for n in shape if n != 1))
+        sizes |= {math.prod(leaf.shape), math.prod(sharding.shard_shape(leaf.shape))}
     return Traffic(
         name,
         dict(mesh.shape),
         hlo_report.collectives(compiled.as_text()),
-        shapes,
+        sizes,
         hlo_report.remat_warnings(log[0]),
     )
 
