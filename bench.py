@@ -7,6 +7,7 @@ python bench.py --mode sweep             # step time vs batch and length; 1/2/4/
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 python bench.py --mode decode --compare ctranslate2   # vs CTranslate2 on the same weights
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
+python bench.py --mode input --config configs/default.py   # its input pipeline alone
 python bench.py --mode train --config configs/default.py --scheduled_sampling argmax
 python bench.py --length_sweep 256,512,1024,2048,4096,8192,16384 --window 64
                                          # encoder step time, memory vs length: full vs local
@@ -20,7 +21,16 @@ from ml_collections import config_flags
 
 from flaxformer_lite.tools import cli, compilation_cache
 
-flags.DEFINE_enum("mode", "all", ["all", "train", "decode", "sweep"], "What to measure.")
+flags.DEFINE_enum(
+    "mode",
+    "all",
+    ["all", "train", "decode", "sweep", "input"],
+    "What to measure. input: the training input pipeline alone (needs --config); with "
+    "--config, train also times it, and prints the examples/s of both.",
+)
+flags.DEFINE_integer(
+    "input_batches", 50, "--mode input/train with --config: batches timed.", lower_bound=1
+)
 flags.DEFINE_integer("batch", 16, "Sentences per batch.")
 flags.DEFINE_integer("source_len", 64, "Source tokens per sentence.")
 flags.DEFINE_integer("target_len", 64, "Target tokens per sentence (training).")
@@ -125,6 +135,8 @@ def main(argv):
     opts = bench_command.Options(FLAGS, present, sys.argv[1:], os.path.abspath(__file__))
     if FLAGS.compare:
         bench_command.check_compare(opts)
+    if FLAGS.mode == "input" and FLAGS.config is None:
+        cli.fail("--mode input times a run config's input pipeline: pass --config configs/...")
     compilation_cache.enable(FLAGS.compilation_cache_dir)
     cli.report_platform()
     bench_command.run(opts)
