@@ -8,6 +8,7 @@ python bench.py --mode lower             # exported for cuda and tpu; collective
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 python bench.py --mode decode --compare ctranslate2   # vs CTranslate2 on the same weights
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
+python bench.py --mode input --config configs/default.py   # its input pipeline alone
 python bench.py --mode train --config configs/default.py --scheduled_sampling argmax
 python bench.py --length_sweep 256,512,1024,2048,4096,8192,16384 --window 64
                                          # encoder step time, memory vs length: full vs local
@@ -24,9 +25,14 @@ from flaxformer_lite.tools import cli, compilation_cache
 flags.DEFINE_enum(
     "mode",
     "all",
-    ["all", "train", "decode", "sweep", "lower"],
-    "What to measure. lower: export every program for cuda and tpu from this host and print "
-    "its custom calls, float32 matmuls and (on --lower_devices simulated devices) collectives.",
+    ["all", "train", "decode", "sweep", "input", "lower"],
+    "What to measure. input: the training input pipeline alone (needs --config); with "
+    "--config, train also times it, and prints the examples/s of both. lower: export every "
+    "program for cuda and tpu from this host and print its custom calls, float32 matmuls "
+    "and (on --lower_devices simulated devices) collectives.",
+)
+flags.DEFINE_integer(
+    "input_batches", 50, "--mode input/train with --config: batches timed.", lower_bound=1
 )
 flags.DEFINE_list(
     "lower_programs", [], "--mode lower: these programs only (default: all; see tools/lowering)."
@@ -146,6 +152,8 @@ def main(argv):
     if FLAGS.mode == "lower":
         bench_command.lower(opts)
         return
+    if FLAGS.mode == "input" and FLAGS.config is None:
+        cli.fail("--mode input times a run config's input pipeline: pass --config configs/...")
     compilation_cache.enable(FLAGS.compilation_cache_dir)
     cli.report_platform()
     bench_command.run(opts)

@@ -75,7 +75,12 @@ def main(argv):
     # what depends on the platform (a forced kernel) is checked once the job is joined,
     # since JAX's backends must not start before jax.distributed.initialize.
     run_config.validate(FLAGS.config, platform=False)
-    compilation_cache.enable(FLAGS.compilation_cache_dir)
+    from tqdm import tqdm
+
+    # tqdm.write: a hit during training does not tear the progress bar.
+    compilation_cache.enable(
+        FLAGS.compilation_cache_dir, log=lambda s: tqdm.write(s, file=sys.stderr)
+    )
     try:
         # Before anything touches devices: the processes must first find each other.
         partitioning.initialize_distributed(

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model_config
+from conftest import tiny_config, tiny_model_config
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models.transformer import Transformer
@@ -143,3 +143,20 @@ def test_scheduled_sampling_benchmark_times_both_steps():
     )
     assert r["teacher_forced_step_s"] > 0 and r["scheduled_sampling_step_s"] > 0
     assert r["ratio"] == r["scheduled_sampling_step_s"] / r["teacher_forced_step_s"]
+
+
+def test_input_benchmark_counts_every_example_it_times(tfds_dir):
+    from flaxformer_lite.tools.input_benchmark import examples_in, input_benchmark
+
+    lines = []
+    config = tiny_config(tfds_dir, batch_size=8)
+    results = input_benchmark(config, batches=6, log=lines.append)
+    assert results["batches"] == 6 and results["examples"] == 6 * 8  # fixed batches, all valid
+    assert results["examples_per_s"] > 0 and results["batches_per_s"] > 0
+    assert lines[0].startswith("input: ") and " examples/s (" in lines[0]
+    packed = {  # two rows: three examples, then one
+        "targets_segments": np.array([[1, 1, 2, 3, 0], [1, 1, 1, 0, 0]]),
+        "targets_positions": np.array([[0, 1, 0, 0, 0], [0, 1, 2, 0, 0]]),
+    }
+    assert examples_in(packed) == 4
+    assert examples_in({"valid": np.array([True, False, True])}) == 2

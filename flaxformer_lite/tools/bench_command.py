@@ -292,6 +292,22 @@ def _train(f, config, log) -> dict:
     return benchmark.train_benchmark(config, steps=f.repeats, log=log, **shapes)
 
 
+def _input(f, train: dict | None, log) -> dict:
+    """The input pipeline's examples/s, and beside it the train step's (when timed)."""
+    from flaxformer_lite.tools.input_benchmark import input_benchmark
+
+    results = input_benchmark(f.config, f.input_batches, log)
+    if train and "step_s" in train:
+        step_rate = f.batch / train["step_s"]
+        log(
+            f"examples/s: input {results['examples_per_s']:.0f}, train step {step_rate:.0f} "
+            f"(batch {f.batch}); the input pipeline is "
+            f"{results['examples_per_s'] / step_rate:.1f}x as fast as the step"
+        )
+        results["train_step_examples_per_s"] = step_rate
+    return results
+
+
 def _scheduled_sampling(f):
     """The scheduled sampling to time against teacher forcing: --config's section with
     --scheduled_sampling's mode when given; None when neither turns it on."""
@@ -393,6 +409,8 @@ def run(opts: Options) -> dict:
     results = {"config": config.to_dict(), "host_malloc_reuse": host_memory.applied()}
     if f.mode in ("all", "train"):
         results["train"] = _train(f, config, log)
+    if f.config is not None and f.mode in ("input", "train"):
+        results["input"] = _input(f, results.get("train"), log)
     if f.compare == "ctranslate2":
         results["compare_ctranslate2"] = _compare_ctranslate2(f, config, log)
     elif f.mode in ("all", "decode"):
