@@ -13,6 +13,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.model = m = ml_collections.ConfigDict()
     m.vocab_size = 256  # replaced by the trained tokenizer's size
     m.target_vocab_size = None  # None: one vocabulary for source and target
+    # embedding/softmax rows padded to a multiple of this (1: none); 128 fills TPU lanes and
+    # GPU tiles and divides over mesh.model; the padding is never an output (nn/vocab.py)
+    m.vocab_multiple = 128
     m.share_embeddings = True  # tie encoder, decoder and softmax embeddings (§3.4)
     m.tie_output_embedding = True  # decoder embedding doubles as softmax weights
     m.d_model = 128  # a quarter of the paper's base: the task has a 60-piece vocabulary

@@ -56,6 +56,10 @@ class TransformerConfig:
 
     vocab_size: int = 37000  # source vocabulary (the shared one when share_embeddings)
     target_vocab_size: int | None = None  # None: same vocabulary as the source
+    # Embedding and softmax rows are padded to a multiple of this (1: none): 128 is the lane
+    # width of TPU vector units and a multiple of every GPU MMA tile, and powers of two up
+    # to 128 divide it (the `model` mesh axis). The padding is never an output (`vocab.py`).
+    vocab_multiple: int = 128
     input_features: int = 0  # 0: the encoder reads token ids; > 0: float features of this size
     share_embeddings: bool = True  # one matrix for encoder input, decoder input, softmax (§3.4)
     tie_output_embedding: bool = True  # decoder input embedding reused as pre-softmax weights
@@ -90,6 +94,7 @@ class TransformerConfig:
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         for name in (
             "vocab_size",
+            "vocab_multiple",
             "d_model",
             "num_heads",
             "d_ff",
@@ -173,8 +178,12 @@ class TransformerConfig:
 
     @property
     def output_vocab_size(self) -> int:
-        """Size of the decoder's softmax."""
+        """Size of the decoder's softmax (its real entries; see `padded`)."""
         return self.target_vocab_size or self.vocab_size
+
+    def padded(self, size: int) -> int:
+        """The rows stored for a vocabulary of `size`: `size` rounded up to `vocab_multiple`."""
+        return -(-size // self.vocab_multiple) * self.vocab_multiple
 
     def replace(self, **changes) -> TransformerConfig:
         return dataclasses.replace(self, **changes)

@@ -51,8 +51,8 @@ def test_dry_run_base_config_prints_total():
     result = run("train.py", "--config", "configs/wmt14_ende_base.py", "--dry_run", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
-    assert lines[-1] == "total_params=63082496"
-    assert any(line.startswith("shared_embedding") and "37000, 512" in line for line in lines)
+    assert lines[-1] == "total_params=63143936"  # 61,440 of them vocabulary padding
+    assert any(line.startswith("shared_embedding") and "37120, 512" in line for line in lines)
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,8 @@ def gathered_shapes(hlo):
     assert len(shapes) == len(ANY_GATHER.findall(hlo)), "an all-gather the regex cannot read"
     return shapes
 
-config = TransformerConfig(vocab_size=64, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
+# An odd vocabulary: model=2 splits it only as the padded 128 rows (`nn/vocab.py`).
+config = TransformerConfig(vocab_size=61, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
                            num_decoder_layers=1, max_len=16, dropout_rate=0.1)
 model, tx = AutoregressiveModel(config, label_smoothing=0.1), optax.adam(1e-3)
 mesh = partitioning.make_mesh(model=2)
@@ -158,10 +159,11 @@ from flaxformer_lite.training.state import create_state
 from flaxformer_lite.training.step import jit_train_step
 
 B, T = 16, 10  # B*T = 160 and its shards 20: no parameter has such a dimension
-config = TransformerConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
+# 100 entries padded to 128 rows (`nn/vocab.py`): the padded logits keep even model shards.
+config = TransformerConfig(vocab_size=100, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
                            num_decoder_layers=1, max_len=16, dropout_rate=0.1)
 model, tx = AutoregressiveModel(config, label_smoothing=0.1), optax.adam(1e-3)
-tokens = np.random.RandomState(0).randint(1, 128, (B, T)).astype(np.int32)
+tokens = np.random.RandomState(0).randint(1, 100, (B, T)).astype(np.int32)
 
 def compile_step(fsdp, model_axis):
     mesh = partitioning.make_mesh(fsdp=fsdp, model=model_axis)
@@ -228,7 +230,7 @@ assert dict(mesh.shape) == {{"data": 2, "fsdp": 1, "model": 4}}, mesh
 assert partitioning.process_rows(8, mesh) == slice(0, 8)
 
 def shardings(**fields):
-    model = AutoregressiveModel(tiny_model_config(vocab_size=32, **fields))
+    model = AutoregressiveModel(tiny_model_config(**({{"vocab_size": 32}} | fields)))
     return partitioning.logical_shardings(abstract_state(model, optax.adam(1e-3), 0, 6, 6), mesh)
 
 kernel = shardings(d_ff=48).params["decoder"]["layer_0"]["ffn"]["wi"]["kernel"]
@@ -241,6 +243,16 @@ except ConfigError as e:
     assert "50" in str(e) and "mesh.model=4" in str(e), e
 else:
     raise AssertionError("d_ff=50 over mesh.model=4 was accepted")
+# A vocabulary of 29 splits 4 ways as its padded 128 rows; unpadded it cannot.
+table = shardings(vocab_size=29).params["shared_embedding"]["embedding"]
+assert table.shard_shape((128, 32)) == (32, 32), table
+try:
+    shardings(vocab_size=29, vocab_multiple=1)
+except ConfigError as e:
+    print(e)
+    assert "shared_embedding" in str(e) and "model.vocab_multiple" in str(e), e
+else:
+    raise AssertionError("an unpadded vocabulary of 29 over mesh.model=4 was accepted")
 print("checked")
 """
 

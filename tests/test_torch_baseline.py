@@ -73,8 +73,10 @@ def test_same_logits_and_loss_with_our_parameters(torch_baseline, norm, activati
         np.testing.assert_allclose(theirs.numpy()[real], np.asarray(ours)[real], atol=2e-5)
 
         labels = torch.from_numpy(tgt).long()
-        total, tokens = torch_baseline.loss_sums(theirs, labels, 0.1)
-        smoothed, _ = cross_entropy.cross_entropy(jnp.asarray(theirs.numpy()), tgt, 0.1)
+        total, tokens = torch_baseline.loss_sums(theirs, labels, 0.1, cfg.vocab_size)
+        smoothed, _ = cross_entropy.cross_entropy(
+            jnp.asarray(theirs.numpy()), tgt, 0.1, cfg.vocab_size
+        )
         assert tokens.item() == real.sum()
         assert total.item() == pytest.approx(float(smoothed.sum()), rel=1e-5)
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.nn.vocab import real_rows
 
 
 class ExportError(ValueError):
@@ -188,16 +189,20 @@ def model_layout(params: dict, cfg: TransformerConfig, position_rows: int = 1024
 
     # As `init` returns them or plain as restored; a scanned model's layers one by one.
     params = layer_layout.unstack(nn.meta.unbox(params))
+    # The real vocabularies only: engines never see the padded rows (`nn/vocab.py`).
+    v_source, v_target = cfg.vocab_size, cfg.output_vocab_size
     if "shared_embedding" in params:
-        source = target = _np(params["shared_embedding"]["embedding"])
+        source = target = real_rows(_np(params["shared_embedding"]["embedding"]), v_source)
     else:
-        source = _np(params["source_embedding"]["embedding"])
-        target = _np(params["target_embedding"]["embedding"])
+        source = real_rows(_np(params["source_embedding"]["embedding"]), v_source)
+        target = real_rows(_np(params["target_embedding"]["embedding"]), v_target)
     dec = params["decoder"]
     if cfg.tie_output_embedding:
         output = Linear(target, None)
     else:
-        output = _linear(dec["logits"]["kernel"], dec["logits"]["bias"])  # [D, V] -> [V, D]
+        kernel = real_rows(_np(dec["logits"]["kernel"]), v_target, axis=1)
+        bias = real_rows(_np(dec["logits"]["bias"]), v_target)
+        output = _linear(kernel, bias)  # [D, V] -> [V, D]
     return ModelLayout(
         config=cfg,
         encoder=_stack(

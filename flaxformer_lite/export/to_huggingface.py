@@ -31,9 +31,9 @@ import numpy as np
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.export.layout import Attention, ExportError, Linear, ModelLayout, Norm
+from flaxformer_lite.nn.vocab import PADDED_LOGIT
 
 MARIAN_EPSILON = 1e-5
-PADDED_LOGIT = -1e9
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu_new"}  # flax's nn.gelu is the tanh approximation
 
 

@@ -112,7 +112,9 @@ class AutoregressiveModel(Seq2SeqModel):
 
     def _metrics(self, outputs, targets, segments=None):
         if self.copy is None:
-            return cross_entropy.metrics_sums(outputs, targets, self.label_smoothing, segments)
+            return cross_entropy.metrics_sums(
+                outputs, targets, self.label_smoothing, segments, self.config.output_vocab_size
+            )
         return copy_loss.parts_metrics_sums(outputs, targets, self.label_smoothing, segments)
 
     def init(self, rng: jax.Array, batch_shapes: dict[str, tuple[int, ...]]) -> Params:

@@ -34,6 +34,7 @@ from flaxformer_lite.models.transformer import (
     token_validity,
 )
 from flaxformer_lite.nn import masks, precision
+from flaxformer_lite.nn.vocab import real_rows
 
 
 class CopyTransformer(nn.Module):
@@ -92,7 +93,8 @@ class CopyTransformer(nn.Module):
         )
         gate = self.copy_gate(feats["hidden"], feats["embedded"], context)
         return {
-            "logits": logits,
+            # The real vocabulary only: extended ids start at V (`data/extended_ids.py`).
+            "logits": real_rows(logits, self.config.output_vocab_size, axis=-1),
             "gate": gate,
             "attention": attention,
             "copy_ids": source["copy_ids"],

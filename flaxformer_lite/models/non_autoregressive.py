@@ -149,7 +149,9 @@ class NonAutoregressiveModel(Seq2SeqModel):
         )
 
     def _sums(self, batch, layout, logits, length_logits, loss_labels):
-        sums = cross_entropy.metrics_sums(logits, loss_labels, self.label_smoothing)
+        sums = cross_entropy.metrics_sums(
+            logits, loss_labels, self.label_smoothing, vocab_size=self.config.output_vocab_size
+        )
         if not self.predicts_length:
             return sums["loss"], sums
         source_len = self._source_valid(batch).sum(-1)
@@ -296,9 +298,8 @@ def _refine(model, params, encoded, inputs, source_valid, lengths, search: NATSe
         )
     # Padding and the mask are never outputs; nor is EOS where the length is known.
     never = [PAD_ID, model.mask_id] + ([model.eos_id] if model.predicts_length else [])
-    bias = (
-        jnp.zeros((model.config.output_vocab_size,), jnp.float32).at[jnp.array(never)].set(-jnp.inf)
-    )
+    columns = model.config.padded(model.config.output_vocab_size)  # the logits' (`nn/vocab.py`)
+    bias = jnp.zeros((columns,), jnp.float32).at[jnp.array(never)].set(-jnp.inf)
 
     def logits_fn(tokens, target_valid):
         logits = module.apply(

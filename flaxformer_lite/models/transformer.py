@@ -12,6 +12,8 @@ never sees source tokens: only the encoder output and the source validity.
 
 Letter legend as in `nn/attention.py` (B batch, S source length, T target
 length, D d_model, V vocabulary, L decoder cache length, N heads, H head dim).
+Logits are [..., Vp], the vocabulary padded to `config.padded(V)` columns whose
+logits are PADDED_LOGIT, probability 0 (`nn/vocab.py`).
 
 Decoding state (the only cache layout in the project):
 
@@ -67,6 +69,7 @@ from flaxformer_lite.nn.dropout import Dropout
 from flaxformer_lite.nn.embeddings import AddPositions, Embed, FeatureProjection
 from flaxformer_lite.nn.layers import layer_norm
 from flaxformer_lite.nn.subsampling import Conv1dSubsampler, subsampled_validity
+from flaxformer_lite.nn.vocab import mask_logits, zero_padding_init
 
 
 class Encoder(nn.Module):
@@ -152,13 +155,13 @@ class Decoder(nn.Module):
         if cfg.norm == "pre":
             self.final_norm = layer_norm(cfg, "final_norm")
         if not cfg.tie_output_embedding:
+            vocab = cfg.output_vocab_size
+            kernel_init = zero_padding_init(nn.initializers.xavier_uniform(), vocab, axis=1)
             self.logits_dense = nn.DenseGeneral(
-                cfg.output_vocab_size,
+                cfg.padded(vocab),  # padded as the embeddings (`nn/vocab.py`)
                 dtype=cfg.dtype,
                 param_dtype=cfg.param_dtype,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.xavier_uniform(), ("embed", "vocab")
-                ),
+                kernel_init=nn.with_logical_partitioning(kernel_init, ("embed", "vocab")),
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
                 name="logits",
             )
@@ -172,10 +175,12 @@ class Decoder(nn.Module):
         return self.final_norm(y) if self.config.norm == "pre" else y
 
     def _project(self, hidden: jax.Array) -> jax.Array:
-        """Pre-softmax projection: [B, T, D] -> float32[B, T, V]."""
+        """Pre-softmax projection: [B, T, D] -> float32[B, T, Vp], the padded vocabulary's
+        columns PADDED_LOGIT (`nn/vocab.py`)."""
         if self.config.tie_output_embedding:
             return self.embed.attend(hidden)
-        return self.logits_dense(hidden).astype(jnp.float32)
+        logits = self.logits_dense(hidden).astype(jnp.float32)
+        return mask_logits(logits, self.config.output_vocab_size)
 
     def _outputs(self, y: jax.Array, embedded: jax.Array, features: bool):
         """Logits, or with `features` (logits, {"hidden": [B, T, D] the softmax's input,

@@ -17,6 +17,7 @@ import numpy as np
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.nn.layers import ACTIVATIONS, Dense
 from flaxformer_lite.nn.precision import dot_f32
+from flaxformer_lite.nn.vocab import mask_logits, zero_padding_init
 from flaxformer_lite.parallel.partitioning import constrain
 
 
@@ -44,20 +45,22 @@ class Embed(nn.Module):
 
     Looked-up vectors are multiplied by sqrt(d_model), as in the paper; the
     matrix is initialised with std d_model^-0.5 so the scaled embedding has
-    unit variance and the tied output logits start small.
+    unit variance and the tied output logits start small. The table stores
+    `config.padded(num_embeddings)` rows, the padding zero (`nn/vocab.py`).
     """
 
-    num_embeddings: int
+    num_embeddings: int  # the real vocabulary V
     config: TransformerConfig
 
     def setup(self):
         cfg = self.config
+        init = nn.initializers.normal(stddev=cfg.d_model**-0.5)
         self.embedding = self.param(
             "embedding",
             nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")
+                zero_padding_init(init, self.num_embeddings, axis=0), ("vocab", "embed")
             ),
-            (self.num_embeddings, cfg.d_model),
+            (cfg.padded(self.num_embeddings), cfg.d_model),
             cfg.param_dtype,
         )
 
@@ -72,7 +75,8 @@ class Embed(nn.Module):
         return constrain(x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype), ACTIVATIONS)
 
     def mixture(self, weights: jax.Array) -> jax.Array:
-        """The weighted average of embeddings, scaled as `__call__`: float[B, T, V] -> [B, T, D].
+        """The weighted average of embeddings, scaled as `__call__`: float[B, T, Vp] -> [B, T, D]
+        (Vp: the padded vocabulary, as the logits; padded entries weigh nothing).
 
         One-hot weights give exactly the looked-up vectors of those tokens.
         """
@@ -83,15 +87,16 @@ class Embed(nn.Module):
         return x * jnp.asarray(math.sqrt(cfg.d_model), cfg.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the embedding matrix: [B, T, D] -> float32[B, T, V]."""
+        """Logits against the embedding matrix: [B, T, D] -> float32[B, T, Vp], the padded
+        columns PADDED_LOGIT (`nn/vocab.py`)."""
         cfg = self.config
         *lead, d = x.shape
         # Over merged positions, as in `project`; float32 logits from compute-dtype
         # operands, and compute-dtype matmuls in the backward pass too (`precision.py`).
         logits = dot_f32(
             "md,vd->mv", x.astype(cfg.dtype).reshape(-1, d), self.embedding.astype(cfg.dtype)
-        )  # [M, V]
-        logits = logits.reshape(*lead, -1)
+        )  # [M, Vp]
+        logits = mask_logits(logits.reshape(*lead, -1), self.num_embeddings)
         if len(lead) != 2:
             return logits
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))

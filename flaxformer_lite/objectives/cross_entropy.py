@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.constants import PAD_ID
+from flaxformer_lite.nn.vocab import mask_logits, real_columns
 
 
 def smoothed_targets(labels: jax.Array, vocab_size: int, label_smoothing: float) -> jax.Array:
@@ -27,20 +28,27 @@ def smoothed_targets(labels: jax.Array, vocab_size: int, label_smoothing: float)
 
 
 def cross_entropy(
-    logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0
+    logits: jax.Array,
+    labels: jax.Array,
+    label_smoothing: float = 0.0,
+    vocab_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token losses.
 
     Args:
-      logits: float[B, T, V].
+      logits: float[B, T, Vp].
       labels: int[B, T], PAD_ID where there is no target.
       label_smoothing: eps_ls.
+      vocab_size: the real vocabulary V <= Vp (None: Vp). The columns from V on are
+        padding (`nn/vocab.py`): probability 0, and no smoothing mass.
     Returns:
       (smoothed float32[B, T] = -sum_v q_v log p_v,
        nll float32[B, T] = -log p_label), both 0 at padding.
     """
     weights = (labels != PAD_ID).astype(jnp.float32)
-    smoothed, nll = _token_losses(logits.astype(jnp.float32), labels, label_smoothing)
+    vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
+    logits = mask_logits(logits.astype(jnp.float32), vocab_size)
+    smoothed, nll = _token_losses(logits, labels, label_smoothing, vocab_size)
     return smoothed * weights, nll * weights
 
 
@@ -51,14 +59,15 @@ def cross_entropy(
 # runs several [B, T, V] passes (PERF.md: the measured gain).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _token_losses(logits, labels, label_smoothing):
-    """(smoothed, nll), each float32[B, T], unmasked; logits float32[B, T, V]."""
-    return _token_losses_fwd(logits, labels, label_smoothing)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _token_losses(logits, labels, label_smoothing, vocab_size):
+    """(smoothed, nll), each float32[B, T], unmasked; logits float32[B, T, Vp] whose columns
+    from `vocab_size` on are PADDED_LOGIT."""
+    return _token_losses_fwd(logits, labels, label_smoothing, vocab_size)[0]
 
 
-def _token_losses_fwd(logits, labels, label_smoothing):
-    vocab_size = logits.shape[-1]
+def _token_losses_fwd(logits, labels, label_smoothing, vocab_size):
+    # Padded columns add exp(PADDED_LOGIT - peak) == 0 to the normaliser.
     peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # [B, T]
     log_z = peak + jnp.log(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1))  # [B, T]
     gold = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]  # [B, T]
@@ -69,20 +78,24 @@ def _token_losses_fwd(logits, labels, label_smoothing):
         # sum_v log p_v = sum_v logits_v - V * log_z.
         low = label_smoothing / (vocab_size - 1)
         confidence = 1.0 - label_smoothing
-        sum_log_p = jnp.sum(logits, axis=-1) - vocab_size * log_z
+        real = real_columns(logits.shape[-1], vocab_size)
+        total = jnp.sum(logits if real is None else jnp.where(real, logits, 0.0), axis=-1)
+        sum_log_p = total - vocab_size * log_z
         smoothed = (confidence - low) * nll - low * sum_log_p
     else:
         smoothed = nll
     return (smoothed, nll), (logits, labels, log_z)
 
 
-def _token_losses_bwd(label_smoothing, residuals, cotangents):
+def _token_losses_bwd(label_smoothing, vocab_size, residuals, cotangents):
     logits, labels, log_z = residuals
     d_smoothed, d_nll = cotangents  # [B, T] each
-    vocab_size = logits.shape[-1]
-    p = jnp.exp(logits - log_z[..., None])  # softmax, [B, T, V]
-    gold = labels[..., None] == jnp.arange(vocab_size)  # one-hot, bool[B, T, V]
+    columns = jnp.arange(logits.shape[-1])
+    p = jnp.exp(logits - log_z[..., None])  # softmax, [B, T, Vp] (0 at padded columns)
+    gold = labels[..., None] == columns  # one-hot, bool[B, T, Vp]
     low = label_smoothing / (vocab_size - 1) if label_smoothing > 0.0 else 0.0
+    if low and logits.shape[-1] != vocab_size:
+        low = jnp.where(columns < vocab_size, low, 0.0)  # no smoothing mass on padding
     q = jnp.where(gold, 1.0 - label_smoothing, low)  # `smoothed_targets`
     # d smoothed / d logits = p - q; d nll / d logits = p - one_hot.
     d_logits = d_smoothed[..., None] * (p - q) + d_nll[..., None] * (p - gold)
@@ -97,19 +110,21 @@ def metrics_sums(
     labels: jax.Array,
     label_smoothing: float,
     segments: jax.Array | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, jax.Array]:
     """Sums over a batch, to be divided by `tokens` (or `sequences`) after aggregation.
 
     Args:
-      logits: float[B, T, V]; labels: int[B, T].
+      logits: float[B, T, Vp]; labels: int[B, T].
       segments: int[B, T] target segment ids of packed rows (1, 2, ... per
         example, 0 at padding), or None when every row holds one example.
         Sequence accuracy counts examples (segments), not rows.
+      vocab_size: the real vocabulary (see `cross_entropy`).
     Returns:
       dict of float32 scalars: loss (smoothed), nll, correct tokens,
       correct whole sequences, tokens, sequences.
     """
-    smoothed, nll = cross_entropy(logits, labels, label_smoothing)
+    smoothed, nll = cross_entropy(logits, labels, label_smoothing, vocab_size)
     return sums_of(smoothed, nll, jnp.argmax(logits, axis=-1), labels, segments)
 
 

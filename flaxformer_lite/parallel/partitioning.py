@@ -147,7 +147,7 @@ _FIELD_OF_AXIS = {
     "embed": "model.d_model",
     "heads": "model.num_heads",
     "mlp": "model.d_ff",
-    "vocab": "data.vocab_size (and data.target_vocab_size)",
+    "vocab": "model.vocab_multiple (the vocabulary rows are padded to a multiple of it)",
 }
 
 

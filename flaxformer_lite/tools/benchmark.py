@@ -57,9 +57,10 @@ def train_flops_per_step(
     Forward, per example (multiply-adds count 2): encoder layers
     2*S*(4*D*I + 2*D*F) + 4*S^2*I; decoder layers 2*T*(6*D*I + 2*D*F) + 4*S*D*I
     (cross-attention K/V of the source) + 4*T^2*I + 4*T*S*I; output projection
-    2*T*D*V; where I = heads * head_dim. Backward is twice the forward.
+    2*T*D*V; where I = heads * head_dim and V the padded vocabulary the matmul runs
+    (`nn/vocab.py`). Backward is twice the forward.
     """
-    d, f, v = config.d_model, config.d_ff, config.output_vocab_size
+    d, f, v = config.d_model, config.d_ff, config.padded(config.output_vocab_size)
     i = config.num_heads * config.head_dim
     s, t = source_len, target_len
     enc = 2 * s * (4 * d * i + 2 * d * f) + 4 * s * s * i

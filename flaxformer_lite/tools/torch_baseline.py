@@ -41,6 +41,7 @@ import numpy as np
 
 from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.constants import PAD_ID
+from flaxformer_lite.nn.vocab import PADDED_LOGIT
 
 try:
     import torch
@@ -82,7 +83,8 @@ class Seq2Seq(nn.Module):
         check_config(config)
         d = config.d_model
         self.config = config
-        self.embedding = nn.Embedding(config.vocab_size, d)
+        # Our padded rows (`nn/vocab.py`), so that the output matmul has our shape.
+        self.embedding = nn.Embedding(config.padded(config.vocab_size), d)
         nn.init.normal_(self.embedding.weight, std=d**-0.5)  # as `layers.Embed`
         with warnings.catch_warnings():  # the nested-tensor fast path is for inference only
             warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
@@ -148,7 +150,11 @@ class Seq2Seq(nn.Module):
             memory_key_padding_mask=source_pad,
             tgt_is_causal=True,
         )  # [B, T, D]
-        return h @ self.embedding.weight.T  # tied pre-softmax projection: [B, T, V]
+        logits = h @ self.embedding.weight.T  # tied pre-softmax projection: [B, T, Vp]
+        if logits.shape[-1] == self.config.vocab_size:
+            return logits
+        padded = torch.arange(logits.shape[-1], device=logits.device) >= self.config.vocab_size
+        return logits.masked_fill(padded, PADDED_LOGIT)  # as `vocab.mask_logits`
 
 
 def shift_right(targets: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -158,7 +164,10 @@ def shift_right(targets: torch.Tensor, bos_id: int) -> torch.Tensor:
 
 
 def loss_sums(
-    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    label_smoothing: float,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed label-smoothed cross entropy and token count, as `losses.cross_entropy`.
 
@@ -167,10 +176,13 @@ def loss_sums(
     every token, the gold one included). PAD_ID labels weigh 0.
 
     Args:
-      logits: float[B, T, V]; labels: int[B, T].
+      logits: float[B, T, Vp], the columns from `vocab_size` on PADDED_LOGIT (probability 0).
+      labels: int[B, T].
+      vocab_size: the real vocabulary V (None: Vp).
     Returns:
       (float32 scalar sum of -sum_v q_v log p_v over real tokens, float32 token count).
     """
+    logits = logits[..., :vocab_size]  # the padding has no probability, no smoothing mass
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
     weights = (labels != PAD_ID).float()  # [B, T]
     gold = log_probs.gather(-1, labels[..., None])[..., 0]  # [B, T]
@@ -310,7 +322,9 @@ class TrainStep:
         )
         with context:
             logits = self.model(inputs, shift_right(targets, self.bos_id))  # [B, T, V]
-        total, tokens = loss_sums(logits, targets, self.label_smoothing)
+        total, tokens = loss_sums(
+            logits, targets, self.label_smoothing, self.model.config.vocab_size
+        )
         return total / tokens.clamp(min=1.0)
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

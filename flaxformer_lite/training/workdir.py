@@ -141,6 +141,8 @@ def _read_run_config(marker: str, fix: str) -> dict[str, Any]:
             f"{marker} is not a run config (train.py writes a JSON object with model and "
             f"data sections); restore it, {fix}"
         )
+    # Runs saved before the vocabulary was padded stored exactly V rows (`nn/vocab.py`).
+    config["model"].setdefault("vocab_multiple", 1)
     return config
 
 
