@@ -32,9 +32,14 @@ def with_metrics(metrics, metric="loss", mode="min"):
 
 
 def truncate_arrays(workdir, step) -> None:
+    """Empties every data file of the step's state. (Decoding reads the parameters alone,
+    a third of the state: cut at half its size, a file may still hold all of them whole,
+    and the step is then rightly used.)"""
     pattern = os.path.join(workdir, checkpoints.CHECKPOINT_DIR, str(step), "state", "ocdbt.*")
-    for path in glob.glob(os.path.join(pattern, "d", "*")):
-        os.truncate(path, os.path.getsize(path) // 2)
+    paths = glob.glob(os.path.join(pattern, "d", "*"))
+    assert paths, pattern
+    for path in paths:
+        os.truncate(path, 0)
 
 
 def tree_listing(workdir) -> list[tuple[str, int]]:
