@@ -282,6 +282,16 @@ def test_decode_stops_at_eos_and_skips_pad_bos(tokenizer):
     assert tokenizer.decode([EOS_ID, *ids]) == ""
 
 
+def test_encode_many_equals_one_at_a_time(tokenizer):
+    """The threaded list path (whole splits) gives the ids of `encode`, in order, across
+    chunk boundaries."""
+    texts = [f"{lang} {n}" for n in range(0, 3000, 7) for lang in ("en", "de", "fr")] + [""]
+    want = [tokenizer.encode(t) for t in texts]
+    assert tokenizer.encode_many(texts, chunk=97) == want
+    assert tokenizer.encode_many(texts) == want
+    assert tokenizer.encode_many([]) == []
+
+
 def test_encode_batch(tokenizer):
     texts = ["en 5", "quatre-vingt-dix-sept", ""]
     short = tokenizer.encode(texts[0])
