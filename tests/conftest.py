@@ -1,4 +1,9 @@
-"""Shared fixtures: a tiny run config that trains in seconds on a CPU."""
+"""Shared fixtures: a tiny run config that trains in seconds on a CPU.
+
+tests/unit/ mirrors the package (one folder per subpackage): functions and modules on
+arrays, in process. tests/e2e/ runs the commands and whole training runs; its tests carry
+the `e2e` marker (`-m e2e` runs them alone, `-m "not e2e"` the unit tests alone).
+"""
 
 import atexit
 import os
@@ -120,3 +125,12 @@ def assert_params_close(got: dict, want: dict) -> None:
         elif name.endswith("['kv_bias']"):
             a, b = a[1], b[1]  # [k, v] -> v
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=name)
+
+
+_E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e") + os.sep
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.fspath).startswith(_E2E):
+            item.add_marker(pytest.mark.e2e)

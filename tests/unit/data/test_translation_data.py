@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 from flaxformer_lite.data import catalog, translation
 from flaxformer_lite.data.translation import CatalogError, CorpusError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 

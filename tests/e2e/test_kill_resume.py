@@ -5,7 +5,7 @@ The runs are real processes, killed wherever they are (mid-step, mid-checkpoint-
 with dropout on and bucketed batches, so the restored dropout key and data position are
 checked along with the parameters. Each train.py start costs ~10 s of imports and
 compilation, so this is a slow test; the default run covers resuming in process
-(tests/test_resume.py: bucketed and packed batches, bit for bit).
+(tests/e2e/test_resume.py: bucketed and packed batches, bit for bit).
 """
 
 import json

@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 from conftest import ROOT
 
@@ -158,38 +159,92 @@ def test_dataset_fields_and_cross_checks(changes, words):
 
 
 def test_typed_sections():
-    run = run_config.parse(default.get_config())
-    assert run.train.eval_search == "greedy" and run.data.batching == "fixed"
-    assert run.model.vocab_size == run.data.vocab_size and run.mesh.fsdp == 1
-    assert isinstance(run.optim.weight_decay, float)
+    config = default.get_config()
+    run = run_config.parse(config)
+    # Every field of every section carries the config's value, typed.
+    for section in ("data", "train", "optim", "mesh"):
+        for key, value in config[section].items():
+            got = getattr(getattr(run, section), key)
+            if isinstance(value, ml_collections.ConfigDict):
+                value = value.to_dict()
+                got = dict(got) if isinstance(got, dict) else got
+            assert got == value or (isinstance(got, tuple) and list(got) == list(value)), (
+                section,
+                key,
+                got,
+                value,
+            )
+    assert run.model.vocab_size == run.data.vocab_size
+    assert type(run.optim.weight_decay) is float and type(run.train.num_steps) is int
     config = default.get_config()
     del config.train["eval_alpha"]  # a missing field takes its default
     assert run_config.parse(config).train.eval_alpha == 0.6
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
-def test_every_config_validates(path):
+# Every config's parameter count (vocabularies padded to model.vocab_multiple): a change of
+# any of them changes what a shipped config trains, and must be made here on purpose.
+PARAMETER_COUNTS = {
+    "copy": 958849,
+    "default": 958464,
+    "multi30k_deen": 7595008,
+    "multi30k_ende": 7595008,
+    "multi30k_ende_copy": 7595777,
+    "multi30k_ende_nat": 7660544,
+    "multi30k_ende_nat_distilled": 7660544,
+    "names": 958464,
+    "names_copy": 958849,
+    "nat": 991232,
+    "numbers_long": 958464,
+    "spoken_numbers": 1836672,
+    "tiny": 25472,
+    "wmt14_ende_base": 63143936,
+    "wmt14_ende_big": 214368256,
+}
+
+
+def _parameter_count(config) -> int:
     from flaxformer_lite.tools import dry_run
 
+    return sum(row[2] for row in dry_run.parameter_table(dry_run.abstract_params(config)))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
+def test_every_config_validates_and_builds_its_parameter_count(path):
     config = _load_config(path)
     run_config.validate(config)
-    assert dry_run.parameter_table(dry_run.abstract_params(config))  # its model builds
+    name = os.path.basename(path)[:-3]
+    assert _parameter_count(config) == PARAMETER_COUNTS[name], name
+
+
+def test_the_base_config_has_the_papers_parameter_count():
+    """Counted by hand: 6 + 6 post-LN layers, d_model 512, d_ff 2048, biases everywhere, one
+    shared embedding of 37000 entries padded to 37120 rows, no final LayerNorm."""
+    d, f, v = 512, 2048, 37120
+    attention = 4 * (d * d + d)
+    ffn = d * f + f + f * d + d
+    layer_norm = 2 * d
+    encoder_layer = attention + ffn + 2 * layer_norm
+    decoder_layer = 2 * attention + ffn + 3 * layer_norm
+    want = 6 * encoder_layer + 6 * decoder_layer + v * d
+    assert want == PARAMETER_COUNTS["wmt14_ende_base"]
+    config = _load_config(os.path.join(ROOT, "configs", "wmt14_ende_base.py"))
+    assert config.data.vocab_size == 37000 and config.model.vocab_multiple == 128
 
 
 # Configs that change one thing of another config whose run is tested below, a thing trained
 # end to end elsewhere: their runs are slow tests (their model builds in the test above).
 VARIANTS = {
     "multi30k_deen": "multi30k_ende with the languages swapped",
-    "nat": "default with a nat section (tests/test_nat.py trains one)",
+    "nat": "default with a nat section (tests/unit/models/test_nat.py trains one)",
     "multi30k_ende_nat": "multi30k_ende with a nat section",
     "multi30k_ende_nat_distilled": "multi30k_ende_nat on another corpus directory",
     "wmt14_ende_big": "wmt14_ende_base at another size, which SHRINK trains at the same size",
     "tiny": "default shrunk; most of the suite trains it in-process",
-    "copy": "default with a copy section (tests/test_copy.py trains one)",
+    "copy": "default with a copy section (tests/unit/models/test_copy.py trains one)",
     "numbers_long": "default with other data.max_number and data.num_numbers",
     "names_copy": "names with a copy section",
     "multi30k_ende_copy": "multi30k_ende with a copy section",
-    "spoken_numbers": "tests/test_speech_training.py trains its feature path on tone audio",
+    "spoken_numbers": "tests/e2e/test_speech_training.py trains its feature path on tone audio",
 }
 
 

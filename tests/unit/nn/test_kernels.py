@@ -209,7 +209,7 @@ def test_config_checked_before_a_job_is_joined_leaves_the_backends_alone():
         "except Exception as e:\n"
         "    print(type(e).__name__, e)\n"
     )
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[3]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
