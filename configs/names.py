@@ -4,7 +4,7 @@
 the 500 validation and 1,000 test pairs use names that share no word with training, and half
 of them hold characters (ž, ø, Å, ...) that the training split, hence the vocabulary, lacks.
 The default model size, 1500 steps (10 minutes on 2 CPU cores shared with other jobs, test
-exact match 0.497 of at most 0.5: see the README); checkpoints ranked by exact match. Score
+exact match 0.497 of at most 0.5: see docs/results.md); checkpoints ranked by exact match. Score
 the copied spans of decoded outputs with flaxformer_lite/evaluation/copy_spans.py.
 """
 

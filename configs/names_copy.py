@@ -1,7 +1,7 @@
 """The name-copy task (configs/names.py) with the pointer-generator copy head.
 
 Everything else is configs/names.py's, so the two train the same steps on the
-same batches; the README compares them over three seeds.
+same batches; docs/results.md compares them over three seeds.
 """
 
 import ml_collections

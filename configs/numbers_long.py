@@ -4,7 +4,7 @@
 out for validation and 1,000 for test. One wrong piece early in
 "nine hundred and eighty-seven million, six hundred and ..." changes what the decoder reads for
 the rest of the output, so free-running decoding can fall behind teacher forcing: the task of
-the scheduled-sampling comparison in the README. A small model, for minutes on 2 CPU cores.
+the scheduled-sampling comparison in docs/methods.md. A small model, for minutes on 2 CPU cores.
 """
 
 import ml_collections

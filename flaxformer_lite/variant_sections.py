@@ -34,15 +34,15 @@ from flaxformer_lite.objectives import guided_attention, scheduled_sampling
 class ScheduledSamplingConfig:
     """`scheduled_sampling` (optional section): see objectives/scheduled_sampling.py."""
 
-    mode: str = field("off", one_of(*scheduled_sampling.MODES))
-    schedule: str = field("linear", one_of(*scheduled_sampling.SCHEDULES))
-    k: float = field(1.0, number(0.0, low_open=True))
-    c: float = field(1e-4, number(0.0))
-    eps_min: float = field(0.0, number(0.0, 1.0, high_open=False))
-    warmup_steps: int = field(0, NON_NEGATIVE)
-    temperature: float = field(1.0, number(0.0, low_open=True))
-    gradient: str = field("last", one_of(*scheduled_sampling.GRADIENTS))
-    passes: int = field(2, int_at_least(2))
+    mode: str = field("off", one_of(*scheduled_sampling.MODES))  # what is fed: off = gold
+    schedule: str = field("linear", one_of(*scheduled_sampling.SCHEDULES))  # gold prob. eps_i
+    k: float = field(1.0, number(0.0, low_open=True))  # linear: eps_i = max(eps_min, k - c i)
+    c: float = field(1e-4, number(0.0))  # the decay rate of the schedule
+    eps_min: float = field(0.0, number(0.0, 1.0, high_open=False))  # the floor of eps_i
+    warmup_steps: int = field(0, NON_NEGATIVE)  # steps of pure teacher forcing first
+    temperature: float = field(1.0, number(0.0, low_open=True))  # sample/soft: of the softmax
+    gradient: str = field("last", one_of(*scheduled_sampling.GRADIENTS))  # passes it reaches
+    passes: int = field(2, int_at_least(2))  # decoder passes per step (the last is scored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +50,14 @@ class NATConfig:
     """`nat` (optional section): a run config with it trains the non-autoregressive model
     (models/non_autoregressive.py); `iterations` and `length_beam` are evaluation's."""
 
-    length_mode: str = field("predict", one_of("predict", "fixed"))
-    length_classes: int = field(256, int_at_least(2))
-    length_loss_weight: float = field(0.1, number(0.0))
-    length_stop_gradient: bool = field(False, boolean)
-    decoder_inputs: str = field("mask", one_of("mask", "copy"))
-    masking: str = field("uniform", one_of("uniform", "all"))
-    iterations: int = field(10, POSITIVE)
-    length_beam: int = field(1, POSITIVE)
+    length_mode: str = field("predict", one_of("predict", "fixed"))  # fixed: cut at first EOS
+    length_classes: int = field(256, int_at_least(2))  # target - source offsets, centred
+    length_loss_weight: float = field(0.1, number(0.0))  # beside the token loss (fairseq 0.1)
+    length_stop_gradient: bool = field(False, boolean)  # True: it does not train the encoder
+    decoder_inputs: str = field("mask", one_of("mask", "copy"))  # copy: uniform source copy
+    masking: str = field("uniform", one_of("uniform", "all"))  # all: single-pass NAT
+    iterations: int = field(10, POSITIVE)  # evaluation: Mask-Predict decoder calls
+    length_beam: int = field(1, POSITIVE)  # evaluation: length candidates per source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +65,9 @@ class CopyConfig:
     """`copy` (optional section): a run config with it trains the pointer-generator head
     (models/pointer_generator.py) on extended ids (data/extended_ids.py)."""
 
+    # the decoder layer whose cross-attention is the copy distribution
     layer: int = field(-1, lambda flag, v: None if is_int(v) else f"{flag} must be an integer")
-    heads: tuple[int, ...] = field((), head_indices)
+    heads: tuple[int, ...] = field((), head_indices)  # its heads averaged; (): all
 
 
 def _layer_indices(flag, v):
@@ -80,10 +81,10 @@ class GuidedAttentionConfig:
     """`guided_attention` (optional section): pulls the chosen decoder layers' cross-attention
     towards the diagonal (objectives/guided_attention.py); weight 0 leaves it off."""
 
-    weight: float = field(0.0, number(0.0))
-    sigma: float = field(0.4, number(0.0, low_open=True))
-    layers: tuple[int, ...] = field((-2, -1), _layer_indices)
-    heads: tuple[int, ...] = field((0, 1), head_indices)
+    weight: float = field(0.0, number(0.0))  # of the penalty beside cross-entropy; 0: off
+    sigma: float = field(0.4, number(0.0, low_open=True))  # width g of the diagonal guide
+    layers: tuple[int, ...] = field((-2, -1), _layer_indices)  # guided decoder layers
+    heads: tuple[int, ...] = field((0, 1), head_indices)  # guided heads of them; (): all
 
 
 def guided_attention_of(

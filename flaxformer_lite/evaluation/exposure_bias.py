@@ -15,7 +15,7 @@ positions), all plain numpy:
   own_nll    float[N, K] the same suffix after the model's greedy prefix
                         greedy[:k] (the sequence greedy[:k] + gold[k:] scored)
 
-The figures (see `Report` and README "Exposure bias report"):
+The figures (see `Report` and docs/methods.md, "Exposure bias report"):
 
   - token accuracy: TF = forced == gold over the gold tokens (EOS included);
     FR = the greedy prefix that equals the gold sequence, summed over the
@@ -248,7 +248,7 @@ class Report:
         return _ratio((counts * np.arange(counts.size)).sum(), counts.sum())
 
     def metrics(self) -> dict[str, float]:
-        """Flat scalar names for metrics.jsonl and TensorBoard (README lists them)."""
+        """Flat scalar names for metrics.jsonl and TensorBoard (docs/methods.md lists them)."""
         out = {
             "eb_tf_token_accuracy": self.tf_token_accuracy,
             "eb_fr_token_accuracy": self.fr_token_accuracy,

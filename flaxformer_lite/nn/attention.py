@@ -97,7 +97,7 @@ def cached_attention(
     A decoding step reads the whole cache, so its layout decides the step's cost: keys
     are kept as [B, N, H, S] and values as [B, N, S, H], heads first, so both batched
     matmuls read the cache as it lies, where the teacher-forced [B, S, N, H] layout
-    made XLA transpose every cache tensor at every step (PERF.md).
+    made XLA transpose every cache tensor at every step (docs/results.md, design decisions).
 
     Args:
       q: [batch, q_len, heads, d_k] the new queries.
@@ -142,7 +142,7 @@ class MultiHeadAttention(nn.Module):
     reuses the result at every step. The stacked kernel is applied as ONE
     [M, D] x [D, N*3*H] matmul (`layers.project`) after moving the heads axis
     in front of the stacking axis ([D, N, 3, H]; a 3 MB copy of the weights):
-    one wide matmul runs faster on CPU than three [D, N*H] ones (PERF.md),
+    one wide matmul runs faster on CPU than three [D, N*H] ones (docs/results.md, design decisions),
     and with the heads outermost in the merged
     axis a heads sharding over the mesh's model axis carries through the
     reshape, so tensor parallelism gathers no kernel.

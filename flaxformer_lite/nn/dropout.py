@@ -8,7 +8,7 @@ ones by 1 / (1 - rate), exactly as `flax.linen.Dropout`. Two generators:
              by two 32-bit words drawn from the layer's "dropout" PRNG key.
              The bits are a pure elementwise function of (key, index), so XLA
              fuses them into the multiply that applies the mask; no mask
-             array is written to memory (PERF.md: the measured gain).
+             array is written to memory (docs/results.md: the measured gain).
   "threefry" `jax.random.bernoulli` on the layer's key (flax's own dropout):
              counter-based Threefry-2x32, the reference generator.
 

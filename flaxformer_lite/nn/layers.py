@@ -26,9 +26,9 @@ def project(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
     N = prod(out); the reshapes are free. The multi-axis einsum gives the
     same numbers, but its weight gradient contracts over two axes (batch and
     length) and XLA:CPU then re-lays out activations and weights around the
-    matmuls, which the 2-D form avoids (PERF.md). Merging kernel axes keeps
-    their sharding as long as only the most major of the merged axes is
-    sharded (heads before head_dim: yes).
+    matmuls, which the 2-D form avoids (docs/results.md, design decisions).
+    Merging kernel axes keeps their sharding as long as only the most major
+    of the merged axes is sharded (heads before head_dim: yes).
     """
     lead = x.shape[: x.ndim - in_dims]
     k = math.prod(kernel.shape[:in_dims])

@@ -56,7 +56,7 @@ def cross_entropy(
 # [B, T, V] tensors are only read: the forward pass keeps the logits and the
 # log-normaliser, and the backward pass writes d(logits) = p - q in one
 # elementwise pass. Autodiff of log_softmax instead materialises log p and
-# runs several [B, T, V] passes (PERF.md: the measured gain).
+# runs several [B, T, V] passes (docs/results.md: the measured gain).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -113,7 +113,7 @@ def jit_train_step(
     On accelerators the old state is donated, so parameters and optimiser
     moments are updated in place (one copy of the state in device memory).
     On CPU it is not: it gave no faster step there and fragmented the host
-    heap (measurements in PERF.md).
+    heap (measurements in docs/results.md).
     """
     donate = () if mesh.devices.flat[0].platform == "cpu" else (0,)
     step = functools.partial(train_step, model=model, tx=tx, grad_accum_steps=grad_accum_steps)
