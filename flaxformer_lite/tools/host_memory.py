@@ -69,6 +69,11 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def has_glibc() -> bool:
+    """Whether this process runs on glibc, whose malloc `reuse_freed_memory` can set."""
+    return _glibc() is not None
+
+
 def accelerator_expected() -> bool:
     """True when JAX will most likely run on a GPU or TPU (checked without starting JAX)."""
     platforms = os.environ.get("JAX_PLATFORMS", os.environ.get("JAX_PLATFORM_NAME", ""))

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, optimised_xla_flags
 
 from flaxformer_lite.tools import host_memory
 
-needs_glibc = pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc malloc")
+needs_glibc = pytest.mark.skipif(not host_memory.has_glibc(), reason="needs glibc malloc")
 
 # Allocates, fills and frees one 64 MiB block 30 times through the C library (as XLA:CPU
 # does with a program's scratch memory at every run) and prints the minor page faults of
@@ -59,16 +59,10 @@ print(json.dumps({{"applied": applied, "faults": sorted(faults)}}))
 """
 
 
-def _optimised_xla_flags() -> str:
-    """The suite's XLA flags without its fast-compile flag: the probe runs its program 50
-    times, and unoptimised code would spend minutes doing so."""
-    return os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
-
-
 def _probe(mode: str, probe: str = _PROBE) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", probe.format(root=ROOT, mode=mode)],
-        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_optimised_xla_flags()),
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=optimised_xla_flags()),
         capture_output=True,
         text=True,
         timeout=300,
