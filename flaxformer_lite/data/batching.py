@@ -249,7 +249,7 @@ class FixedBatches(_Plan):
         rows = self._shard(self.batch_size, base=step * self.batch_size)
         return self._rows(self._ids(rows.start, rows.stop), self.shape)
 
-    def _step_members(self, step: int) -> tuple[np.ndarray, int]:
+    def step_members(self, step: int) -> tuple[np.ndarray, int]:
         ids = self._ids(step * self.batch_size, (step + 1) * self.batch_size)
         return ids[ids >= 0], self.batch_size * sum(self.shape)
 

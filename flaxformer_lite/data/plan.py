@@ -112,8 +112,9 @@ class _Plan:
         epoch, index = divmod(step, self.batches_per_epoch)
         return self._build(self._epoch_layout(epoch), index)
 
-    def _step_members(self, step: int) -> tuple[np.ndarray, int]:
-        """(example ids, cells of both sides) of global batch ``step``."""
+    def step_members(self, step: int) -> tuple[np.ndarray, int]:
+        """(``int64[n]`` ids of the examples in global batch ``step``, filler rows left out; the
+        cells of both sides of its shape), on every process the same."""
         return self._members(self._epoch_layout(step // len(self)), step % len(self))
 
     def __iter__(self) -> Iterator[Batch]:
@@ -129,7 +130,7 @@ class _Plan:
         global batches of steps ``[0, num_batches)``; one epoch by default."""
         cells = tokens = 0
         for step in range(self.batches_per_epoch if num_batches is None else num_batches):
-            members, batch_cells = self._step_members(step)
+            members, batch_cells = self.step_members(step)
             cells, tokens = cells + batch_cells, tokens + int(self._tokens[members].sum())
         return 1.0 - tokens / max(cells, 1)
 

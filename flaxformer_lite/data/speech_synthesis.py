@@ -60,16 +60,20 @@ _CALLBACK = ctypes.CFUNCTYPE(
 _LIBRARY_LOCK = threading.Lock()  # the library keeps one global voice and callback
 
 
+def backends() -> tuple[str, ...]:
+    """The backends present here, of ``("command", "library")``, the preferred one first."""
+    found = (("command", _command()), ("library", _library()))
+    return tuple(name for name, present in found if present is not None)
+
+
 def available() -> bool:
     """Whether :func:`synthesize` can run (the command on PATH, or the wheel's library)."""
-    return _command() is not None or _library() is not None
+    return bool(backends())
 
 
 def backend() -> str:
     """``"command"``, ``"library"``, or ``"none"``: what :func:`synthesize` would use."""
-    if _command() is not None:
-        return "command"
-    return "library" if _library() is not None else "none"
+    return (*backends(), "none")[0]
 
 
 def synthesize(
@@ -99,11 +103,10 @@ def synthesize(
     """
     voice = f"{language}+{voice_variant}" if voice_variant else language
     use = use or backend()
-    if use == "command" and _command() is not None:
-        return _with_command(text, voice, rate_wpm, pitch)
-    if use == "library" and _library() is not None:
-        return _with_library(text, voice, rate_wpm, pitch)
-    raise SynthesisUnavailable(MISSING)
+    if use not in backends():
+        raise SynthesisUnavailable(MISSING)
+    speak = _with_command if use == "command" else _with_library
+    return speak(text, voice, rate_wpm, pitch)
 
 
 def _with_command(text: str, voice: str, rate_wpm: int, pitch: int) -> tuple[np.ndarray, int]:

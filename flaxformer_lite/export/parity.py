@@ -17,7 +17,9 @@ import numpy as np
 from flaxformer_lite.constants import BOS_ID, EOS_ID
 
 
-def _padded(rows: Sequence[Sequence[int]], length: int | None = None) -> np.ndarray:
+def padded(rows: Sequence[Sequence[int]], length: int | None = None) -> np.ndarray:
+    """int32[len(rows), length] with row i's ids first, then PAD_ID (0); length defaults to
+    the longest row."""
     length = length or max(len(r) for r in rows)
     out = np.zeros((len(rows), length), np.int32)
     for i, r in enumerate(rows):
@@ -30,8 +32,8 @@ def ours(model, params, sources: Sequence[list[int]], targets: Sequence[list[int
     import jax
 
     batch = {
-        "inputs": _padded([[*s, EOS_ID] for s in sources]),
-        "targets": _padded([[*t, EOS_ID] for t in targets]),
+        "inputs": padded([[*s, EOS_ID] for s in sources]),
+        "targets": padded([[*t, EOS_ID] for t in targets]),
     }
     token_logp, _ = jax.jit(model.score)(params, batch)
     token_logp = np.asarray(token_logp)
@@ -55,8 +57,8 @@ def marian_scores(model, sources: Sequence[list[int]], targets: Sequence[list[in
     """
     import torch
 
-    inputs = _padded([[*s, EOS_ID] for s in sources])
-    decoder_inputs = _padded([[BOS_ID, *t] for t in targets])
+    inputs = padded([[*s, EOS_ID] for s in sources])
+    decoder_inputs = padded([[BOS_ID, *t] for t in targets])
     with torch.no_grad():
         logits = model(
             input_ids=torch.from_numpy(inputs).long(),

@@ -31,7 +31,7 @@ END = "<!-- end of the generated reference -->"
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
-def _sections() -> list[tuple[str, type, bool]]:
+def sections() -> list[tuple[str, type, bool]]:
     """(section name, its dataclass, whether a run config must have it)."""
     from flaxformer_lite import config, run_config, variant_sections
 
@@ -180,7 +180,7 @@ def reference() -> str:
         "dataclass default applies); *dataclass default* is shown where it differs.\n"
     ]
     choices = _model_choices()
-    for name, cls, required in _sections():
+    for name, cls, required in sections():
         doc = inspect.getdoc(cls) or ""
         first = doc.split("\n\n")[0].replace("\n", " ")
         need = "required" if required else "optional"

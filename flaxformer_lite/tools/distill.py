@@ -244,8 +244,9 @@ def _fsync_dir(path: str) -> None:
 # The command.
 
 
-def _data_config(run_config: dict):
-    """The run's data section, parsed as training parses it."""
+def teacher_data(run_config: dict):
+    """The data section of a teacher run's saved config, parsed as training parses it; a
+    parallel-text corpus must be where the run read it (files.InputError otherwise)."""
     import ml_collections
 
     from flaxformer_lite import run_config as run_config_lib
@@ -284,7 +285,7 @@ def run(
         raise files.InputError(f"--batch_size must be >= 1, got {o.batch_size}")
     run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
     search = runner.make_search(run_config, beam_size=o.beam_size, alpha=o.alpha)
-    data = _data_config(run_config)
+    data = teacher_data(run_config)
     splits = datasets.load_splits(data)
     step = restore.resolve_step(o.workdir, o.step, log=log)
     on_inputs_checked()

@@ -268,6 +268,9 @@ class Checkpointer:
       log: one line per event worth a user's attention (default: stderr).
       asynchronous: verify and write saves on a background thread (see the module
         docstring); ignored with several processes.
+      after_write: called with a step's number once its files are written and before
+        they are read back and verified (on the thread that saves). A hook for fault
+        injection: the tests change bytes on disk here, or hold a save in flight.
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class Checkpointer:
         best_mode: str = "min",
         log: Log | None = None,
         asynchronous: bool = False,
+        after_write: Callable[[int], None] | None = None,
     ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the checkpoint just saved), got {keep}")
@@ -294,6 +298,7 @@ class Checkpointer:
         self.keep, self.save_every, self.keep_best = keep, save_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self._log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.after_write = after_write
         self._metrics: dict[int, dict[str, float] | None] = {}  # read metas, by step
         self.asynchronous = asynchronous and jax.process_count() == 1
         self._worker = (
@@ -398,6 +403,8 @@ class Checkpointer:
                 f"could not save checkpoint {step} in {self.directory} ({short_reason(e)}); "
                 f"{self._kept()}; {_write_fix(e)}"
             ) from e
+        if self.after_write is not None:
+            self.after_write(step)
         problem = self._read_back_problem(step, state, checksums)
         if problem is not None:
             _barrier(f"unverified step {step}")
@@ -430,7 +437,7 @@ class Checkpointer:
         self._apply_retention()
 
     def _write(self, step: int, state, meta: dict[str, Any]) -> None:
-        """Writes the two items of `step` (a seam for tests to corrupt a write).
+        """Writes the two items of `step`.
 
         Orbax's worker threads log every failed write with its traceback (and
         tensorstore's callbacks print theirs to sys.stderr) before the error reaches

@@ -94,7 +94,7 @@ class Watchdog:
         self.window = window
         self._log = log
         self._on_hang = on_hang or self._exit_with_stacks
-        self._poll = poll_seconds or max(0.01, min(1.0, min_seconds / 10))
+        self.poll_seconds = poll_seconds or max(0.01, min(1.0, min_seconds / 10))
         self._history: dict[str, collections.deque[float]] = {}
         # (kind, what, start time, limit or None) of the activity in progress.
         self._current: tuple[str, str, float, float | None] | None = None
@@ -191,7 +191,7 @@ class Watchdog:
         )
 
     def _run(self) -> None:
-        while not self._stop.wait(self._poll):
+        while not self._stop.wait(self.poll_seconds):
             message = self._overdue()
             if message is not None:
                 self._on_hang(message)  # outside the lock: it may call back into the watchdog

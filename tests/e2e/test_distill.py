@@ -305,6 +305,6 @@ def test_a_relative_corpus_dir_names_where_to_run(workdir, monkeypatch, tmp_path
     )
     monkeypatch.chdir(tmp_path)
     with pytest.raises(files.InputError, match="run distill.py from the directory train.py ran"):
-        distill._data_config(run_config)
+        distill.teacher_data(run_config)
     (tmp_path / "corpora" / "m30k").mkdir(parents=True)
-    assert distill._data_config(run_config).corpus_dir == "corpora/m30k"
+    assert distill.teacher_data(run_config).corpus_dir == "corpora/m30k"

@@ -65,9 +65,12 @@ def test_bucketed_batches_equal_the_rows_built_one_by_one(features):
     seen = []
     for step in range(len(plan)):
         batch = plan[step]
-        layout = plan._epoch_layout(0)
-        bucket, ids = layout[step]
-        s, t = plan.buckets[bucket]
+        # The batch's examples, then all-PAD filler rows (-1) up to its row count.
+        members, _ = plan.step_members(step)
+        ids = np.full(batch["valid"].size, -1, np.int64)
+        ids[: members.size] = members
+        s, t = batch["inputs"].shape[1], batch["targets"].shape[1]
+        assert (s, t) in plan.buckets
         want = _expected(split, ids, s, t, features)
         assert batch.keys() == want.keys()
         for key in want:

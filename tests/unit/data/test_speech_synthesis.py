@@ -8,9 +8,8 @@ from flaxformer_lite.data.audio_features import log_mel
 
 
 def test_missing_backend_names_both_installs(monkeypatch):
-    monkeypatch.setattr(synth, "_command", lambda: None)
-    monkeypatch.setattr(synth, "_library", lambda: None)
-    assert not synth.available()
+    monkeypatch.setattr(synth, "backends", lambda: ())
+    assert not synth.available() and synth.backend() == "none"
     with pytest.raises(synth.SynthesisUnavailable, match=r"pip install '\.\[speech\]'.*apt-get"):
         synth.synthesize("one", "en")
 
@@ -25,7 +24,7 @@ def test_synthesis_gives_speech_that_follows_rate():
 
 
 @pytest.mark.skipif(
-    synth._command() is None or synth._library() is None, reason="needs both espeak-ng backends"
+    set(synth.backends()) != {"command", "library"}, reason="needs both espeak-ng backends"
 )
 def test_command_and_library_speak_the_same_samples():
     a, rate_a = synth.synthesize("quatre-vingt-deux", "fr", "f2", 170, 60, use="command")

@@ -98,7 +98,7 @@ def test_ctranslate2_scores_equal_ours_on_real_pairs(trained, ct2_dir):
     model, params, vocab, _ = trained
     pairs = _pairs(vocab, LINES)
     translator = ctranslate2.Translator(ct2_dir, device="cpu")
-    src = [vocab.source._processor.encode(line, out_type=str) for line in LINES]
+    src = [vocab.source.encode_with_pieces(line)[1] for line in LINES]
     tgt = [[vocab.target.id_to_piece(i) for i in t] for _, t in pairs]
     got = parity.ctranslate2_scores(translator, src, tgt, None, None)
     assert _ours_vs(model, params, pairs, got) < TOLERANCE
@@ -184,24 +184,30 @@ def test_int8_weights_within_their_range(trained, bits):
     model, params, vocab, run_config = trained
     cfg = model.config
     pieces = [vocab.source.id_to_piece(i) for i in range(vocab.source.vocab_size)]
-    spec = to_ctranslate2.build_spec(layout.model_layout(params, cfg, 64), pieces, pieces)
-    spec.validate()
-    spec.optimize(None)
 
-    def arrays(into):
+    def spec(quantization=None):
+        built = to_ctranslate2.build_spec(layout.model_layout(params, cfg, 64), pieces, pieces)
+        built.validate()
+        built.optimize(quantization)  # CTranslate2's converter: aliases, then quantization
+        return built
+
+    def arrays(of):
+        into = {}
+
         def keep(_, name, value):
             if isinstance(value, model_spec.Variable) and not value.is_scalar():
                 into[name] = np.array(value.numpy())
 
-        return keep
+        model_spec.visit_spec(of, keep)
+        return into
 
-    floats, quantized = {}, {}
-    model_spec.visit_spec(spec, arrays(floats))
+    floats = arrays(spec())
     if bits == 8:
-        spec._quantize("int8")
+        quantized = arrays(spec("int8"))
     else:
-        int8_check.quantize_weights(spec, bits)
-    model_spec.visit_spec(spec, arrays(quantized))
+        seven = spec()
+        int8_check.quantize_weights(seven, bits)
+        quantized = arrays(seven)
     scales = {n[: -len("_scale")]: v for n, v in quantized.items() if n.endswith("_scale")}
     assert scales  # the linear layers and embeddings
     for name, scale in scales.items():
@@ -302,8 +308,8 @@ def _our_logits(cfg, params, pairs):
     from flaxformer_lite.constants import BOS_ID, EOS_ID
     from flaxformer_lite.models.transformer import Transformer
 
-    inputs = parity._padded([[*s, EOS_ID] for s, _ in pairs])
-    decoder_inputs = parity._padded([[BOS_ID, *t] for _, t in pairs])
+    inputs = parity.padded([[*s, EOS_ID] for s, _ in pairs])
+    decoder_inputs = parity.padded([[BOS_ID, *t] for _, t in pairs])
     logits = np.asarray(Transformer(cfg).apply({"params": params}, inputs, decoder_inputs))
     return [logits[i, : len(t) + 1] for i, (_, t) in enumerate(pairs)]
 

@@ -59,7 +59,16 @@ def _log_probs(model, params, inputs=INPUTS, targets=TARGETS):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(model, params, inputs, targets):
-    return model._forward(params, {"inputs": inputs}, shift_right(targets, BOS_ID))
+    """Teacher-forced log P [B, T, W] of the copy model's module (the head reads its
+    attention from the "intermediates" collection)."""
+    out, _ = model.module.apply(
+        {"params": params},
+        inputs,
+        shift_right(targets, BOS_ID),
+        deterministic=True,
+        mutable=["intermediates"],
+    )
+    return out
 
 
 # The mixture.

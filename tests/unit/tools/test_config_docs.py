@@ -23,7 +23,7 @@ def test_configuration_reference_is_generated_from_the_dataclasses():
 
 def test_reference_lists_every_field_of_every_section():
     text = config_docs.reference()
-    for name, cls, _ in config_docs._sections():
+    for name, cls, _ in config_docs.sections():
         assert f"### `{name}`" in text
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in text, (name, f.name)

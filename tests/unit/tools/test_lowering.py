@@ -43,17 +43,18 @@ def test_the_check_finds_a_float32_matmul():
 
 
 def _float32_score():
-    import functools
-
+    """The score program of a float32 model: (fn, abstract args)."""
+    import flax.linen as nn
+    import jax
     import jax.numpy as jnp
 
     from flaxformer_lite.models.autoregressive import AutoregressiveModel
 
     model = AutoregressiveModel(lowering.small_config(dtype=jnp.float32))
-    return functools.partial(lowering._score_fn, model=model), (
-        lowering._params(model),
-        lowering._batch(),
-    )
+    shapes = {"inputs": (1, 16), "targets": (1, 16)}
+    params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))
+    batch = {key: jax.ShapeDtypeStruct((2, 16), jnp.int32) for key in shapes}
+    return model.score, (params, batch)
 
 
 def test_cuda_train_step_holds_cudnn_flash_attention():

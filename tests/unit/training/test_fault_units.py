@@ -155,12 +155,12 @@ def test_several_processes_agree_on_a_stop_only_at_every_nth_poll(monkeypatch):
         "process_allgather",
         lambda flag: collectives.append(int(flag)) or np.array([flag, 0]),
     )
-    signals = preemption.StopSignals(log=lambda s: None, check_every=3)
-    assert [signals.poll() for _ in range(6)] == [False] * 6
-    assert collectives == [0, 0]  # at polls 3 and 6 only
-    signals._handle(signal.SIGTERM, None)  # the signal reaches this process
-    assert [signals.poll() for _ in range(3)] == [False, False, True]
-    assert signals.requested() and collectives == [0, 0, 1, 1]
+    with preemption.StopSignals(log=lambda s: None, check_every=3) as signals:
+        assert [signals.poll() for _ in range(6)] == [False] * 6
+        assert collectives == [0, 0]  # at polls 3 and 6 only
+        os.kill(os.getpid(), signal.SIGTERM)  # the signal reaches this process
+        assert [signals.poll() for _ in range(3)] == [False, False, True]
+        assert signals.requested() and collectives == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="check_every"):
         preemption.StopSignals(check_every=0)
 

@@ -41,7 +41,12 @@ def run(watchdog: Watchdog, clock: Clock, kind: str, seconds: float, what: str =
 
 def settle(watchdog: Watchdog) -> None:
     """Waits several polls of the watchdog's thread."""
-    time.sleep(10 * watchdog._poll)
+    time.sleep(10 * watchdog.poll_seconds)
+
+
+def watchdog_threads() -> list[threading.Thread]:
+    """The live threads a Watchdog started (it names them "watchdog")."""
+    return [t for t in threading.enumerate() if t.name == "watchdog"]
 
 
 def wait_for(reports: list, timeout: float = 5.0) -> None:
@@ -130,9 +135,10 @@ def test_a_failed_activity_adds_no_duration(clock):
 
 
 def test_factor_zero_starts_no_thread(clock):
-    before = threading.active_count()
+    before, watchdogs = threading.active_count(), watchdog_threads()
     wd = Watchdog(factor=0, min_seconds=1, on_hang=lambda m: pytest.fail(m))
-    assert not wd.enabled and wd._thread is None and threading.active_count() == before
+    assert not wd.enabled and watchdog_threads() == watchdogs
+    assert threading.active_count() == before
     run(wd, clock, "step", 1)
     with wd.watch("step", "step 1"):
         clock.now += 1e6
@@ -141,11 +147,12 @@ def test_factor_zero_starts_no_thread(clock):
 
 
 def test_close_stops_the_daemon_thread():
+    others = watchdog_threads()
     wd = Watchdog(factor=2, min_seconds=1, on_hang=lambda m: None)
-    thread = wd._thread
+    (thread,) = [t for t in watchdog_threads() if t not in others]
     assert thread.daemon and thread.is_alive()
     wd.close()
-    assert not thread.is_alive()
+    assert not thread.is_alive() and watchdog_threads() == others
 
 
 # A training loop whose sixth step hangs in a function with a name to look for.
