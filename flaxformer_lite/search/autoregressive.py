@@ -2,11 +2,13 @@
 
 Every search takes a `TokensToLogits` callable and the cache it starts from.
 The cache is an arbitrary pytree owned by the caller's adapter (see
-`inference.py`); search code only threads it through, and beam search
+`models/predict.py`); search code only threads it through, and beam search
 reorders the leading axis of its array leaves by beam (scalar leaves, such as
-a step index, are left alone). Every loop is a `lax.scan` over a fixed number
-of steps, so a search compiles once per shape and runs without Python work per
-token.
+a step index, are left alone). Every loop runs on the device with at most
+`max_len` steps: greedy and sampling as a `lax.while_loop` that stops once
+every row has ended, beam search as a `lax.scan` over chunks of steps that
+skips the chunks left once every example is done. A search compiles once per
+shape and runs without Python work per token.
 
 Sequences returned by the searches hold the generated tokens only (no BOS),
 EOS included, and PAD_ID after EOS.

@@ -244,10 +244,16 @@ def test_digits_are_split(tokenizer):
     assert [p.lstrip("▁") for p in pieces if p.lstrip("▁")][-4:] == ["4", "7", "2", "1"]
 
 
-def test_unknown_characters_do_not_raise(tokenizer):
+def test_unknown_characters_become_unk_and_leave_the_rest_intact(tokenizer):
+    known = tokenizer.encode("en 12")
+    boundary = tokenizer.encode("en 12 en")[len(known)]  # the word-boundary piece "▁"
     ids = tokenizer.encode("en 12 日本☃")
-    assert UNK_ID in ids
-    assert isinstance(tokenizer.decode(ids), str)
+    # The known prefix keeps its ids; the run of unseen characters is one UNK after the
+    # boundary, and the pieces say which characters it stands for.
+    assert ids == [*known, boundary, UNK_ID]
+    known_pieces = tokenizer.encode_with_pieces("en 12")[1]
+    assert tokenizer.encode_with_pieces("en 12 日本☃") == (ids, [*known_pieces, "▁", "日本☃"])
+    assert tokenizer.decode(ids).split() == ["en", "12", "⁇"]
 
 
 def test_training_is_deterministic(pairs, tokenizer):

@@ -3,7 +3,7 @@
 import dataclasses
 import json
 import math
-import os
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -337,7 +337,33 @@ def test_metric_writer_takes_a_histogram_list(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["eb_first_error_hist"] == [0, 2, 1] and records[0]["loss"] == 1.5
     assert records[1]["eb_first_error_hist"] == [0, 0] and records[1]["x"] == "nan"
-    assert os.listdir(tmp_path / "tensorboard")
+    # TensorBoard gets the scalar and the histogram with one bucket per bin, counts as given;
+    # the all-zero histogram is left out (TensorBoard has no empty histogram).
+    logged = {}
+    for path in (tmp_path / "tensorboard").iterdir():
+        for event in _events(path):
+            for value in event.summary.value:
+                logged[event.step, value.tag] = value
+    assert logged[5, "validation/loss"].simple_value == 1.5
+    histo = logged[5, "validation/eb_first_error_hist"].histo
+    assert list(histo.bucket) == [0, 2, 1] and list(histo.bucket_limit) == [1, 2, 3]
+    assert histo.num == 3 and histo.min == 1 and histo.max == 2
+    assert (6, "validation/eb_first_error_hist") not in logged
+    assert math.isnan(logged[6, "validation/x"].simple_value)
+
+
+def _events(path):
+    """The Event protos of a TensorBoard file (TFRecord frames: length, crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    data = path.read_bytes()
+    i = 0
+    while i < len(data):
+        (n,) = struct.unpack("<Q", data[i : i + 8])
+        event = event_pb2.Event()
+        event.ParseFromString(data[i + 12 : i + 12 + n])
+        i += 12 + n + 4
+        yield event
 
 
 # ----------------------------------------------------------------------------

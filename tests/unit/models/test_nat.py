@@ -447,12 +447,19 @@ def nat_workdir(tfds_dir, tmp_path_factory):
 
 
 def test_nat_run_trains_and_evaluates(nat_workdir):
+    """20 steps learn: the training loss falls by half a nat (measured 4.70 at step 5 ->
+    3.65 at step 20) and the held-out NLL per token is well below a uniform guess over the
+    vocabulary (measured 3.46 against ln 64 = 4.16)."""
+    from flaxformer_lite.data.tokenizer import Vocabularies
+
     path, results = nat_workdir
-    assert 0 <= results["test_length_accuracy"] <= 1
-    assert "test_exact_match" in results and np.isfinite(results["test_loss"])
+    assert 0 <= results["test_length_accuracy"] <= 1 and 0 <= results["test_exact_match"] <= 1
     with open(os.path.join(path, "metrics.jsonl"), encoding="utf-8") as f:
         train = [r for r in map(json.loads, f) if r.get("split") == "train"]
-    assert len(train) >= 2 and train[-1]["loss"] < train[0]["loss"]  # it learns
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5, train
+    uniform = np.log(Vocabularies.load(path).target.vocab_size)
+    assert results["test_nll"] < uniform - 0.3, (results["test_nll"], uniform)
 
 
 def test_decode_cli_options_on_a_nat_workdir(nat_workdir, tmp_path, monkeypatch):

@@ -135,23 +135,35 @@ def test_loss_adds_weight_times_mean_and_gradient_reaches_attention(setup):
 
 
 def test_training_lowers_the_guided_term(setup):
-    _, params, b = setup
-    model = AutoregressiveModel(CFG, guided_attention=dataclasses.replace(ON, weight=20.0))
-    tx = optax.adam(1e-2)
+    """Six Adam steps from the same start, with the guided loss at weight 20 and at weight 0
+    (the plain loss), the term measured at weight 1 before each: only the guided run pulls
+    the attention onto the diagonal (measured: 0.079 -> 0.051, and 0.079 -> 0.075 without)."""
+    _, params0, b = setup
+    probe = AutoregressiveModel(CFG, guided_attention=ON)
 
     @jax.jit
-    def step(p, opt):
-        grads, sums = jax.grad(lambda q: model.loss(q, b, None, 0), has_aux=True)(p)
-        grads = jax.tree.map(lambda g: g / sums["tokens"], grads)
-        updates, opt = tx.update(grads, opt, p)
-        return optax.apply_updates(p, updates), opt, sums
+    def term(p):
+        _, sums = probe.loss(p, b, None, 0)
+        return sums["guided_attention"] / sums["guided_attention_cells"]
 
-    opt = tx.init(params)
-    terms = []
-    for _ in range(6):
-        params, opt, sums = step(params, opt)
-        terms.append(float(sums["guided_attention"] / sums["guided_attention_cells"]))
-    assert terms[-1] < terms[0]
+    def train(weight):
+        model = AutoregressiveModel(CFG, guided_attention=dataclasses.replace(ON, weight=weight))
+        tx = optax.adam(1e-2)
+
+        @jax.jit
+        def step(p, opt):
+            grads, sums = jax.grad(lambda q: model.loss(q, b, None, 0), has_aux=True)(p)
+            grads = jax.tree.map(lambda g: g / sums["tokens"], grads)
+            updates, opt = tx.update(grads, opt, p)
+            return optax.apply_updates(p, updates), opt
+
+        params, opt = params0, tx.init(params0)
+        for _ in range(6):
+            params, opt = step(params, opt)
+        return float(term(params))
+
+    start, guided, plain = float(term(params0)), train(20.0), train(0.0)
+    assert guided < 0.8 * start and guided < 0.8 * plain, (start, guided, plain)
 
 
 def test_section_refuses_bad_values():
