@@ -65,7 +65,7 @@ def main(argv):
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax and TFDS are chatty at INFO/WARNING
     from flaxformer_lite import run_config
-    from flaxformer_lite.parallel import partitioning
+    from flaxformer_lite.parallel import distributed
     from flaxformer_lite.tools import dry_run
 
     if FLAGS.dry_run:
@@ -83,13 +83,13 @@ def main(argv):
     )
     try:
         # Before anything touches devices: the processes must first find each other.
-        partitioning.initialize_distributed(
+        distributed.initialize_distributed(
             FLAGS.coordinator_address,
             FLAGS.num_processes,
             FLAGS.process_id,
             heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
         )
-    except partitioning.DistributedError as e:
+    except distributed.DistributedError as e:
         cli.fail(str(e))
     import jax
 
@@ -105,7 +105,7 @@ def main(argv):
         if jax.process_index() == 0:
             print(str(e), file=sys.stderr)
         return
-    except partitioning.DistributedError as e:
+    except distributed.DistributedError as e:
         cli.fail(str(e))
     except NonFiniteError as e:
         cli.fail(str(e), code=1)

@@ -18,7 +18,7 @@ A parameter dimension that its mesh axis does not divide is a config error
 (replicating it would silently cost the memory the axis was meant to save);
 an activation dimension is left whole instead (a batch of one while decoding).
 
-Several processes (hosts) form one job after `initialize_distributed`: the mesh
+Several processes (hosts) form one job after `distributed.initialize_distributed`: the mesh
 then spans every process's devices, each process feeds only its own rows of
 every global batch (`process_rows`, `put_batch`), and jit inserts the
 cross-process gradient all-reduce.
@@ -34,14 +34,6 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite.config import ConfigError
-from flaxformer_lite.parallel.distributed import (  # noqa: F401  (re-exported: callers use partitioning.*)
-    ENV_COORDINATOR,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
-    DistributedError,
-    initialize_distributed,
-    process_0_first,
-)
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 from absl import flags
 
+from flaxformer_lite.training.workdir import WorkdirError
+
 TRACEBACK_ENV = "FLAXFORMER_LITE_TRACEBACK"
 
 
@@ -119,7 +121,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         ConfigError,
-        checkpoints.WorkdirError,
+        WorkdirError,
         checkpoints.CheckpointIntegrityError,
         checkpoints.CheckpointFormatError,
         checkpoints.CheckpointWriteError,

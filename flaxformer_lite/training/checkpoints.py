@@ -75,19 +75,7 @@ from flaxformer_lite.training.checkpoint_checks import (
 from flaxformer_lite.training.checkpoint_checks import (
     tree_checksums,
 )
-
-# Workdir names, re-exported: they lived here before workdir.py.
-from flaxformer_lite.training.workdir import (  # noqa: F401
-    CHECKPOINT_DIR,
-    RUN_CONFIG,
-    ParamShapes,
-    WorkdirError,
-    check_writable,
-    claim_workdir,
-    load_run_config,
-    shape_differences,
-    state_nbytes,
-)
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError
 
 CORRUPT_SUFFIX = "-corrupt"  # checkpoints/ -> checkpoints-corrupt/ for steps set aside
 STATE_ITEM, META_ITEM = "state", "meta"  # the orbax items of a step

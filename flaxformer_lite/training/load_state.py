@@ -16,6 +16,7 @@ from flaxformer_lite.models.from_config import build_model
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import checkpoints, optim, restore
 from flaxformer_lite.training.state import ParamShapes, abstract_state, param_shapes
+from flaxformer_lite.training.workdir import load_run_config
 
 
 def restore_trained(workdir: str, step: int | None = None, average: int = 1):
@@ -32,7 +33,7 @@ def restore_trained(workdir: str, step: int | None = None, average: int = 1):
       WorkdirError: not a training workdir.
       FileNotFoundError: it has no (complete) checkpoint, or fewer than `average`.
     """
-    saved = checkpoints.load_run_config(workdir)
+    saved = load_run_config(workdir)
     config = ml_collections.ConfigDict(saved)
     model_cfg = run_config_lib.model_config(config)
     model = build_model(config, model_cfg)

@@ -31,45 +31,35 @@ from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.models.from_config import build_model, has_copy_head, search_from_config
 from flaxformer_lite.nn import precision
 from flaxformer_lite.objectives import cross_entropy
-from flaxformer_lite.parallel import partitioning
+from flaxformer_lite.parallel import distributed, partitioning
 from flaxformer_lite.training import checkpoints, optim, train_data
 from flaxformer_lite.training import evaluate as evaluate_lib
 from flaxformer_lite.training import step as step_lib
 from flaxformer_lite.training.early_stopping import EarlyStopping
-from flaxformer_lite.training.load_state import restore_trained, saved_param_shapes
+from flaxformer_lite.training.load_state import saved_param_shapes
 from flaxformer_lite.training.metric_writer import MetricWriter
 from flaxformer_lite.training.nonfinite import NonFiniteGuard
 from flaxformer_lite.training.preemption import Preempted, StopSignals
-from flaxformer_lite.training.state import (
-    TrainState,
-    abstract_state,
-    create_state,
-    param_shapes,
+from flaxformer_lite.training.state import TrainState, create_state, param_shapes
+from flaxformer_lite.training.workdir import (
+    WorkdirError,
+    check_writable,
+    claim_workdir,
+    state_nbytes,
 )
 
 Log = Callable[[str], None]
-
-# Loading a workdir whole and the optimiser of a run config live in their own modules; they
-# are importable from here as before.
-optimizer_from_config = optim.from_config
-__all__ = [
-    "abstract_state",
-    "optimizer_from_config",
-    "restore_trained",
-    "saved_param_shapes",
-    "train_and_evaluate",
-]
 
 
 def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
     """Data splits, tokenizer, model config, saved run config, and whether the workdir had a run.
 
     Process 0 prepares the data, trains the vocabulary and claims the workdir;
-    the others then read its vocabulary (see `partitioning.process_0_first`).
+    the others then read its vocabulary (see `distributed.process_0_first`).
     """
     splits = datasets.load_splits(run_config_lib.parse(config).data)
     if jax.process_index() != 0 and not tokenizer_lib.Vocabularies.exists(workdir):
-        raise checkpoints.WorkdirError(
+        raise WorkdirError(
             f"process {jax.process_index()} cannot see the vocabulary in {workdir}, which "
             "process 0 wrote: the workdir must be on a filesystem that every host shares"
         )
@@ -81,7 +71,7 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
     )
     saved = run_config_lib.to_saved_dict(config, model_cfg)
     shapes = param_shapes(build_model(config, model_cfg))
-    had_run = checkpoints.claim_workdir(workdir, saved, shapes, saved_param_shapes)
+    had_run = claim_workdir(workdir, saved, shapes, saved_param_shapes)
     if new_vocab and jax.process_index() == 0:
         tokenizer.save(workdir)
     return splits, tokenizer, model_cfg, saved, had_run
@@ -226,7 +216,7 @@ def _checkpointer(config, workdir: str, state, log: Log) -> checkpoints.Checkpoi
     (the previous one stays until the next one is written and verified)."""
     t = config.train
     # (orbax adds metadata to the arrays: ~150 KB for configs/tiny.py, hence the MiB)
-    checkpoints.check_writable(workdir, 2 * (checkpoints.state_nbytes(state) + (1 << 20)))
+    check_writable(workdir, 2 * (state_nbytes(state) + (1 << 20)))
     return checkpoints.Checkpointer(
         workdir,
         keep=t.keep_checkpoints,
@@ -260,12 +250,12 @@ def prepare(
     partitioning.check_batch_size(t.eval_batch_size, mesh, "train.eval_batch_size")
     if jax.process_index() == 0:
         on_checked()
-    splits, tokenizer, model_cfg, saved, had_run = partitioning.process_0_first(
+    splits, tokenizer, model_cfg, saved, had_run = distributed.process_0_first(
         lambda: _prepare_workdir(config, workdir), "preparing the data and the workdir"
     )
     model = build_model(config, model_cfg)
     log(precision.describe(model_cfg, config.optim.get("state_dtype", "float32")))
-    schedule, tx = optimizer_from_config(config, model_cfg)
+    schedule, tx = optim.from_config(config, model_cfg)
     state, shardings = create_state(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
     )
@@ -452,7 +442,7 @@ def train_and_evaluate(
     """Trains (or resumes) the run in `workdir`, evaluates, and returns final metrics.
 
     In a multi-process job every process calls this with the same arguments
-    (after `partitioning.initialize_distributed`); each feeds its own rows of
+    (after `distributed.initialize_distributed`); each feeds its own rows of
     every batch, all of them save and restore checkpoints together, only
     process 0 logs and writes files, and all return the same metrics.
 

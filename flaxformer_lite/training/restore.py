@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from flaxformer_lite.models import layer_layout
-from flaxformer_lite.training import checkpoints
+from flaxformer_lite.training import checkpoint_checks, checkpoints
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR, load_run_config
 
 PARAMS = "params"  # the train state's field holding the model parameters
 STATE_ITEM = checkpoints.STATE_ITEM  # orbax item of the train state
@@ -68,7 +69,7 @@ def verify_params(params: Any, meta: dict[str, Any], where: str) -> None:
       CheckpointIntegrityError: some leaf's bytes differ from what was saved.
     """
     saved = meta.get("checksums", {})
-    now = checkpoints.tree_checksums(params)
+    now = checkpoint_checks.tree_checksums(params)
     bad = [k for k, v in now.items() if saved.get(f".{PARAMS}{k}", v) != v]
     if bad:
         reason = (
@@ -126,7 +127,7 @@ def _resolve(
     workdir: str, spec: int | str, sharding: jax.sharding.Sharding, log
 ) -> tuple[int, Any]:
     """(step, its verified params if reading them was how it was found, else None)."""
-    directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
     steps = checkpoints.list_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {directory}")
@@ -175,7 +176,7 @@ def _best(workdir: str, steps: list[int]) -> int:
             metric, mode = meta.get("best_metric", metric), meta.get("best_mode", mode)
     best = checkpoints.best_steps(metrics, metric, mode)
     if not best:
-        directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+        directory = os.path.join(workdir, CHECKPOINT_DIR)
         what = f"a finite validation {metric!r}" if metrics else "validation metrics"
         raise StepSpecError(
             f"{directory} has no checkpoint with {what}; train with train.eval_every > 0, "
@@ -186,7 +187,7 @@ def _best(workdir: str, steps: list[int]) -> int:
 
 def _read_verified(workdir: str, step: int, sharding: jax.sharding.Sharding) -> Any:
     """The params of checkpoint `step`, checked against its format and checksums."""
-    directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
     meta = checkpoints.read_meta(workdir, step)
     checkpoints.check_format(meta, step, directory)
     params = _read_params(os.path.join(directory, str(step)), sharding)
@@ -196,7 +197,7 @@ def _read_verified(workdir: str, step: int, sharding: jax.sharding.Sharding) -> 
 
 def _steps_to_average(workdir: str, step: int, average: int) -> list[int]:
     """The checkpoint steps whose parameters are averaged, in step order."""
-    directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
     chosen = [s for s in checkpoints.list_steps(workdir) if s <= step][-average:]
     if len(chosen) < average:
         raise FileNotFoundError(
@@ -237,7 +238,7 @@ def restore_params(
     """
     if average < 1:
         raise ValueError(f"average must be >= 1, got {average}")
-    run_config = checkpoints.load_run_config(workdir)
+    run_config = load_run_config(workdir)
     spec = parse_step(step)
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     chosen_step, read = _resolve(workdir, spec, sharding, log)

@@ -60,7 +60,7 @@ def claim_workdir(
       param_shapes: this run's {parameter path: (shape, dtype name)}
         (`training.state.param_shapes`).
       saved_param_shapes: computes those of a saved run config
-        (`training.loop.saved_param_shapes`).
+        (`training.load_state.saved_param_shapes`).
     Raises:
       WorkdirError: the path is a file, a non-empty foreign directory, or a
         workdir whose model has other parameters.

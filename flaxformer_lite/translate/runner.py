@@ -29,10 +29,8 @@ from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vo
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.from_config import has_copy_head
 from flaxformer_lite.training import checkpoints
-
-# Line I/O and reports moved to files.py and reports.py; still importable from here.
-from flaxformer_lite.translate.files import InputError, format_line, read_lines, write_lines  # noqa: F401
-from flaxformer_lite.translate.reports import bleu_report, check_line_counts  # noqa: F401
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, load_run_config
+from flaxformer_lite.translate.files import InputError
 
 # Workdir and search settings.
 
@@ -53,13 +51,13 @@ def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Voc
     from flaxformer_lite.training import restore
 
     if not os.path.isdir(workdir):
-        raise checkpoints.WorkdirError(
+        raise WorkdirError(
             f"workdir {workdir!r} does not exist; run train.py --workdir {workdir} first, "
             "or pass the --workdir that train.py wrote"
         )
     spec = restore.parse_step(step)
-    run_config = checkpoints.load_run_config(workdir)
-    ckpt_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+    run_config = load_run_config(workdir)
+    ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
     steps = checkpoints.list_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; run train.py --workdir {workdir}")
@@ -81,7 +79,7 @@ def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Voc
     want = (model.get("vocab_size"), model.get("target_vocab_size") or model.get("vocab_size"))
     have = (vocab.source.vocab_size, vocab.target.vocab_size)
     if have != want:
-        raise checkpoints.WorkdirError(
+        raise WorkdirError(
             f"the vocabulary in {workdir} has {have[0]} source / {have[1]} target pieces, but "
             f"the model was trained with {want[0]} / {want[1]}: it is another run's vocabulary; "
             "restore the run's own vocab files"

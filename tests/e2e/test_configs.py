@@ -14,8 +14,9 @@ from configs import default
 from flaxformer_lite import run_config
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
-from flaxformer_lite.training import checkpoints, loop
+from flaxformer_lite.training import checkpoints, load_state
 from flaxformer_lite.training.state import param_shapes
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, claim_workdir
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
@@ -280,7 +281,7 @@ def _claim(workdir, **changes):
     model = run_config.planned_model_config(config)
     saved = run_config.to_saved_dict(config, model)
     shapes = param_shapes(AutoregressiveModel(model))
-    return checkpoints.claim_workdir(str(workdir), saved, shapes, loop.saved_param_shapes)
+    return claim_workdir(str(workdir), saved, shapes, load_state.saved_param_shapes)
 
 
 def test_same_shapes_resume(tmp_path):
@@ -295,7 +296,7 @@ def test_shape_neutral_change_resumes(tmp_path):
 
 def test_different_d_ff_refused_naming_a_parameter(tmp_path):
     _claim(tmp_path / "w")
-    with pytest.raises(checkpoints.WorkdirError) as e:
+    with pytest.raises(WorkdirError) as e:
         _claim(tmp_path / "w", **{"model.d_ff": 256})
     message = str(e.value)
     assert "\n" not in message
@@ -304,7 +305,7 @@ def test_different_d_ff_refused_naming_a_parameter(tmp_path):
 
 def test_list_steps_skips_unfinished_saves(tmp_path):
     assert checkpoints.list_steps(str(tmp_path)) == []
-    ckpts = tmp_path / checkpoints.CHECKPOINT_DIR
+    ckpts = tmp_path / CHECKPOINT_DIR
     for name in ("20", "3", "30.orbax-checkpoint-tmp-17", "notes"):
         (ckpts / name).mkdir(parents=True)
     assert checkpoints.list_steps(str(tmp_path)) == [3, 20]

@@ -8,7 +8,7 @@ import jax
 import pytest
 from conftest import ROOT, tiny_config
 
-from flaxformer_lite.translate import runner
+from flaxformer_lite.translate import files, reports, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -39,10 +39,10 @@ def workdir(tfds_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(workdir):
-    from flaxformer_lite.training import loop
+    from flaxformer_lite.training import load_state
 
     run_config, tokenizer = runner.open_workdir(workdir)
-    model, state, _, _ = loop.restore_trained(workdir)
+    model, state, _, _ = load_state.restore_trained(workdir)
     return model, state.params, tokenizer, run_config
 
 
@@ -70,7 +70,7 @@ def greedy(run_config, **kw):
 def test_read_lines(tmp_path, data, lines, invalid):
     path = tmp_path / "in.txt"
     path.write_bytes(data)
-    assert runner.read_lines(str(path)) == (lines, invalid)
+    assert files.read_lines(str(path)) == (lines, invalid)
 
 
 def test_buckets_and_batch_plan():
@@ -83,10 +83,10 @@ def test_buckets_and_batch_plan():
 
 
 def test_format_line_keeps_one_line_per_input():
-    assert runner.format_line([("a\nb\tc\r", -1.0)]) == "a b c "
-    line = runner.format_line([("x\ty", -0.5), ("z", -1.25)], nbest=2)
+    assert files.format_line([("a\nb\tc\r", -1.0)]) == "a b c "
+    line = files.format_line([("x\ty", -0.5), ("z", -1.25)], nbest=2)
     assert line == "x y\t-0.5000\tz\t-1.2500"
-    assert runner.format_line([], nbest=3) == ""
+    assert files.format_line([], nbest=3) == ""
 
 
 def test_make_search_methods_and_errors():
@@ -102,15 +102,15 @@ def test_make_search_methods_and_errors():
         dict(top_p=0.9),
         dict(min_len=16),
     ):
-        with pytest.raises(runner.InputError):
+        with pytest.raises(files.InputError):
             runner.make_search(rc, **kw)
 
 
 def test_bleu_report_has_signature_and_checks_counts():
-    report = runner.bleu_report(["forty-two", "zwei"], ["forty-two", "drei"])
+    report = reports.bleu_report(["forty-two", "zwei"], ["forty-two", "drei"])
     assert "BLEU|nrefs:1|" in report and "chrF2|nrefs:1|" in report
-    with pytest.raises(runner.InputError, match="1 lines but the input has 2"):
-        runner.bleu_report(["a", "b"], ["a"])
+    with pytest.raises(files.InputError, match="1 lines but the input has 2"):
+        reports.bleu_report(["a", "b"], ["a"])
 
 
 # ----------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     model, params, tokenizer, run_config = loaded
     path = tmp_path / "mixed.txt"
     path.write_bytes(MIXED)
-    lines, invalid = runner.read_lines(str(path))
+    lines, invalid = files.read_lines(str(path))
     assert len(lines) == 7 and invalid == 1
     result = runner.decode_lines(
         model, params, tokenizer, run_config, lines, search=greedy(run_config), batch_size=4
@@ -134,7 +134,7 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     assert result.sources.num_unknown >= 1  # U+FFFD is not in the vocabulary
     assert len(result.sources.ids[3]) == run_config["data"]["max_source_len"]
     assert result.sources.ids[3][-1] == runner.EOS_ID
-    with pytest.raises(runner.InputError, match=r"\(line 4\)"):
+    with pytest.raises(files.InputError, match=r"\(line 4\)"):
         runner.decode_lines(
             model, params, tokenizer, run_config, lines, search=greedy(run_config), strict=True
         )
@@ -181,20 +181,20 @@ def test_checkpoint_averaging_is_the_mean_of_the_checkpoints(workdir):
     import jax
     import numpy as np
 
-    from flaxformer_lite.training import checkpoints, loop
+    from flaxformer_lite.training import checkpoints, load_state
 
     ckpt = checkpoints.Checkpointer(workdir, keep=100, save_every=0)
     steps = ckpt.all_steps()[-3:]
     ckpt.close()
-    states = [loop.restore_trained(workdir, s)[1] for s in steps]
-    _, averaged, _, _ = loop.restore_trained(workdir, average=3)
+    states = [load_state.restore_trained(workdir, s)[1] for s in steps]
+    _, averaged, _, _ = load_state.restore_trained(workdir, average=3)
     assert int(averaged.step) == steps[-1]
     for leaf, *each in zip(*(jax.tree.leaves(s.params) for s in (averaged, *states))):
         np.testing.assert_allclose(leaf, sum(np.asarray(x) for x in each) / 3, rtol=1e-6)
     # Everything but the parameters is the last checkpoint's.
     for a, b in zip(jax.tree.leaves(averaged.opt_state), jax.tree.leaves(states[-1].opt_state)):
         np.testing.assert_array_equal(a, b)
-    _, earlier, _, _ = loop.restore_trained(workdir, steps[-2], average=2)
+    _, earlier, _, _ = load_state.restore_trained(workdir, steps[-2], average=2)
     for leaf, a, b in zip(*(jax.tree.leaves(s.params) for s in (earlier, *states[:2]))):
         np.testing.assert_allclose(leaf, (np.asarray(a) + np.asarray(b)) / 2, rtol=1e-6)
 

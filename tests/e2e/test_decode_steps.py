@@ -12,6 +12,7 @@ from conftest import tiny_config
 from test_decode_cli import run_decode
 
 from flaxformer_lite.training import checkpoints, restore
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
 # A failed orbax read or write leaves its unfinished coroutines to the garbage collector.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -20,7 +21,7 @@ LOSSES = {10: 0.5, 20: 0.9}  # validation losses: the earlier step is the best
 
 
 def edit_meta(workdir, step, edit) -> None:
-    path = os.path.join(workdir, checkpoints.CHECKPOINT_DIR, str(step), "meta", "metadata")
+    path = os.path.join(workdir, CHECKPOINT_DIR, str(step), "meta", "metadata")
     with open(path) as f:
         meta = json.load(f)
     with open(path, "w") as f:
@@ -35,7 +36,7 @@ def truncate_arrays(workdir, step) -> None:
     """Empties every data file of the step's state. (Decoding reads the parameters alone,
     a third of the state: cut at half its size, a file may still hold all of them whole,
     and the step is then rightly used.)"""
-    pattern = os.path.join(workdir, checkpoints.CHECKPOINT_DIR, str(step), "state", "ocdbt.*")
+    pattern = os.path.join(workdir, CHECKPOINT_DIR, str(step), "state", "ocdbt.*")
     paths = glob.glob(os.path.join(pattern, "d", "*"))
     assert paths, pattern
     for path in paths:
@@ -107,7 +108,7 @@ def test_latest_good_skips_a_corrupted_step_and_moves_nothing(copy):
     warnings = []
     params, _ = restore.restore_params(copy, "latest-good", log=warnings.append)
     assert same_bits(params, restore.restore_params(copy, 10)[0])
-    directory = os.path.join(copy, checkpoints.CHECKPOINT_DIR)
+    directory = os.path.join(copy, CHECKPOINT_DIR)
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"warning: checkpoint 20 in {directory} is unusable (")
     assert warnings[0].endswith("); using step 10")

@@ -22,7 +22,7 @@ from flaxformer_lite import datasets
 from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.data import common
 from flaxformer_lite.tools import distill
-from flaxformer_lite.training import checkpoints
+from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
 from flaxformer_lite.translate import files, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -40,7 +40,7 @@ def read(path):
 
 
 def data_splits(workdir):
-    config = ml_collections.ConfigDict(checkpoints.load_run_config(workdir))
+    config = ml_collections.ConfigDict(load_run_config(workdir))
     return datasets.load_splits(run_config_lib.parse(config).data)
 
 
@@ -224,11 +224,11 @@ def test_cli_refuses_a_non_empty_output_dir(workdir, tmp_path):
 
 def test_missing_workdir_or_checkpoint_is_refused_before_writing(workdir, tmp_path):
     out = str(tmp_path / "corpus")
-    with pytest.raises(checkpoints.WorkdirError, match="does not exist"):
+    with pytest.raises(WorkdirError, match="does not exist"):
         distill.run(distill.Options(workdir=str(tmp_path / "nope"), output_dir=out))
     empty = tmp_path / "empty"
     empty.mkdir()
-    shutil.copy(os.path.join(workdir, checkpoints.RUN_CONFIG), empty)
+    shutil.copy(os.path.join(workdir, RUN_CONFIG), empty)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         distill.run(distill.Options(workdir=str(empty), output_dir=out))
     assert sorted(os.listdir(tmp_path)) == ["empty"]
@@ -277,7 +277,7 @@ def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
         "--config.train.tensorboard=False",
     )
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    data = checkpoints.load_run_config(student)["data"]
+    data = load_run_config(student)["data"]
     assert (data["dataset"], data["corpus_dir"]) == ("parallel_text", str(out))
     splits = data_splits(student)
     pairs = [p for p in zip(read(out / "train.src"), read(out / "train.tgt")) if all(p)]
@@ -299,7 +299,7 @@ def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
 
 
 def test_a_relative_corpus_dir_names_where_to_run(workdir, monkeypatch, tmp_path):
-    run_config = checkpoints.load_run_config(workdir)
+    run_config = load_run_config(workdir)
     run_config["data"].update(
         dataset="parallel_text", corpus_dir="corpora/m30k", source_lang="en", target_lang="de"
     )

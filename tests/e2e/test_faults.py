@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config
 
-from flaxformer_lite.training import checkpoints, loop, restore
+from flaxformer_lite.training import checkpoints, load_state, loop, restore
 from flaxformer_lite.training.nonfinite import NonFiniteError
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 quiet = lambda s: None  # noqa: E731
@@ -50,7 +51,7 @@ def _copy(trained, tmp_path, name="run"):
 
 def _flip_bytes(workdir, step, count=8):
     """Flips `count` bytes in the middle of the largest array file of a checkpoint."""
-    state_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR, str(step), "state")
+    state_dir = os.path.join(workdir, CHECKPOINT_DIR, str(step), "state")
     files = [os.path.join(d, f) for d, _, fs in os.walk(state_dir) for f in fs]
     target = max(files, key=os.path.getsize)
     with open(target, "r+b") as f:
@@ -71,11 +72,11 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_newest_good_one(trained, 
     assert any("resumed from step 10" in m for m in messages), messages
     assert results["step"] == 20 and _steps(workdir)[-1] == 20  # step 20 trained again
     # The corrupted step was set aside whole, not deleted.
-    aside = os.path.join(workdir, checkpoints.CHECKPOINT_DIR + checkpoints.CORRUPT_SUFFIX, "20")
+    aside = os.path.join(workdir, CHECKPOINT_DIR + checkpoints.CORRUPT_SUFFIX, "20")
     assert os.path.isdir(os.path.join(aside, "state")), os.listdir(os.path.dirname(aside))
     # Training from the good step 10 gave the same step 20 as the original run.
-    _, again, _, _ = loop.restore_trained(workdir, 20)
-    _, original, _, _ = loop.restore_trained(trained, 20)
+    _, again, _, _ = load_state.restore_trained(workdir, 20)
+    _, original, _, _ = load_state.restore_trained(trained, 20)
     for a, b in zip(_leaves(again), _leaves(original)):
         np.testing.assert_array_equal(a, b)
 
@@ -130,7 +131,7 @@ def test_sigterm_during_the_final_evaluation_stops_it_between_batches(
     assert len(batches) == 1  # of many: 4 examples per batch
     assert any(m.startswith("step 22 validation evaluation: stopped after 1 of ") for m in messages)
     assert _steps(workdir)[-1] == 22
-    _, state, _, _ = loop.restore_trained(workdir)
+    _, state, _, _ = load_state.restore_trained(workdir)
     assert int(state.step) == 22
 
 
@@ -218,7 +219,7 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
         assert "No space left on device" in str(e.value)
         assert _steps(workdir) == [10, 20, 25]  # nothing half-written that a resume would pick
         os.remove(disk / "filler")
-        _, state, _, _ = loop.restore_trained(workdir)
+        _, state, _, _ = load_state.restore_trained(workdir)
         assert int(state.step) == 25
     finally:
         subprocess.run(["umount", str(disk)], check=False)
@@ -286,7 +287,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tfds_dir, tmp_path):
     step = _preempt(workdir, tfds_dir)
     meta = checkpoints.read_meta(str(workdir), step)
     assert meta["step"] == step and meta["data"]["next_batch"] == step  # resumes at step + 1
-    _, state, _, _ = loop.restore_trained(str(workdir))
+    _, state, _, _ = load_state.restore_trained(str(workdir))
     assert int(state.step) == step
 
 
@@ -302,8 +303,8 @@ def test_sigterm_then_rerun_ends_like_an_uninterrupted_run(tfds_dir, tmp_path):
     assert any(f"resumed from step {step}" in m for m in messages), messages
     straight = str(tmp_path / "straight")
     loop.train_and_evaluate(config, straight, log=quiet)
-    _, a, _, _ = loop.restore_trained(straight)
-    _, b, _, _ = loop.restore_trained(str(workdir))
+    _, a, _, _ = load_state.restore_trained(straight)
+    _, b, _, _ = load_state.restore_trained(str(workdir))
     for x, y in zip(_leaves(a), _leaves(b)):
         np.testing.assert_array_equal(x, y)
 
@@ -312,7 +313,7 @@ HANG = """
 import sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + "/tests")
 from conftest import tiny_config
-from flaxformer_lite.training import loop, step as step_lib
+from flaxformer_lite.training import load_state, loop, step as step_lib
 
 put = step_lib.device_batch
 calls = []

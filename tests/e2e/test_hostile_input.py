@@ -24,6 +24,7 @@ from conftest import ROOT, tiny_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
 from flaxformer_lite.translate import command, files, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -319,7 +320,7 @@ def test_loading_a_workdir_never_unpickles(workdir, tmp_path, monkeypatch):
     import jax
 
     from flaxformer_lite.data import tokenizer
-    from flaxformer_lite.training import checkpoints, loop, restore
+    from flaxformer_lite.training import load_state, restore
 
     with unpickling_forbidden(monkeypatch) as attempts:
         # The guard holds, for a reference bound before it too.
@@ -328,9 +329,9 @@ def test_loading_a_workdir_never_unpickles(workdir, tmp_path, monkeypatch):
                 loads(pickle.dumps(np.arange(3)))
         attempts.clear()
 
-        run_config = checkpoints.load_run_config(workdir)
+        run_config = load_run_config(workdir)
         vocab = tokenizer.Vocabularies.load(workdir)
-        _, state, _, _ = loop.restore_trained(workdir)
+        _, state, _, _ = load_state.restore_trained(workdir)
         params, _ = restore.restore_params(workdir)
         averaged, _ = restore.restore_params(workdir, average=2)
         # And everything decode.py reads, through to a decoded line.
@@ -353,7 +354,7 @@ def copy_workdir(workdir: str, tmp_path) -> str:
 def test_corrupted_vocabulary_is_refused_in_one_line(workdir, tmp_path, case):
     from flaxformer_lite.data import tokenizer
     from flaxformer_lite.tools import cli
-    from flaxformer_lite.training import loop
+    from flaxformer_lite.training import load_state
 
     with pytest.raises(tokenizer.VocabularyFileError):  # not a traceback of SentencePiece's
         tokenizer.Tokenizer.load(__file__)
@@ -373,7 +374,7 @@ def test_corrupted_vocabulary_is_refused_in_one_line(workdir, tmp_path, case):
         }[case]
         with open(path, "wb") as f:
             f.write(content)
-    for load in (runner.open_workdir, loop.restore_trained):
+    for load in (runner.open_workdir, load_state.restore_trained):
         # The command lines print these as one `error: ...` line, exit status 2.
         with pytest.raises(cli.user_errors()) as raised:
             load(copy)
@@ -384,10 +385,9 @@ def test_corrupted_vocabulary_is_refused_in_one_line(workdir, tmp_path, case):
 
 @pytest.mark.parametrize("content", [b"{", b"\xff", b"[1, 2]", b'"run"', b"null", b"{}"])
 def test_run_config_that_is_not_a_json_object_is_refused(workdir, tmp_path, content):
-    from flaxformer_lite.training import checkpoints
 
     copy = copy_workdir(workdir, tmp_path)
-    with open(os.path.join(copy, checkpoints.RUN_CONFIG), "wb") as f:
+    with open(os.path.join(copy, RUN_CONFIG), "wb") as f:
         f.write(content)
-    with pytest.raises(checkpoints.WorkdirError, match=checkpoints.RUN_CONFIG):
+    with pytest.raises(WorkdirError, match=RUN_CONFIG):
         runner.open_workdir(copy)

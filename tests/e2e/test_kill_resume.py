@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from flaxformer_lite.training import checkpoints, loop
+from flaxformer_lite.training import checkpoints, load_state
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 NUM_STEPS, CHECKPOINT_EVERY = 24, 3
@@ -103,8 +103,8 @@ def test_three_kills_resume_bit_identical(tfds_dir, tmp_path):
     assert f"resumed from step {at_kill[-1]}" in output, (at_kill, output[-3000:])
     assert output.strip().splitlines()[-1].startswith(f"step={NUM_STEPS} ")
 
-    _, a, _, _ = loop.restore_trained(straight)
-    _, b, _, _ = loop.restore_trained(killed)
+    _, a, _, _ = load_state.restore_trained(straight)
+    _, b, _, _ = load_state.restore_trained(killed)
     assert int(a.step) == int(b.step) == NUM_STEPS
     leaves_a, leaves_b = (jax.tree_util.tree_leaves_with_path(s) for s in (a, b))
     assert [p for p, _ in leaves_a] == [p for p, _ in leaves_b]

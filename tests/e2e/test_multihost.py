@@ -26,8 +26,8 @@ from flaxformer_lite import datasets, run_config
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.data import numbers, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
-from flaxformer_lite.parallel import partitioning
-from flaxformer_lite.training import checkpoints, loop
+from flaxformer_lite.parallel import distributed
+from flaxformer_lite.training import checkpoints, load_state
 
 PROCESSES, LOCAL_DEVICES = 2, 2
 
@@ -36,15 +36,15 @@ SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {root!r} + "/tests")
-from flaxformer_lite.parallel import partitioning
-partitioning.initialize_distributed(
+from flaxformer_lite.parallel import distributed, partitioning
+distributed.initialize_distributed(
     {address!r}, {processes}, {index}, local_device_count={local},
     initialization_timeout_s=60, shutdown_timeout_s=30,
 )
 import jax
 import numpy as np
 from conftest import tiny_config
-from flaxformer_lite.training import loop
+from flaxformer_lite.training import load_state, loop
 assert jax.device_count() == {processes} * {local}, jax.devices()
 {body}
 """
@@ -56,7 +56,7 @@ config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8, exposure_report=
 results = loop.train_and_evaluate(config, {workdir!r}, log=print)
 with open(f"{out}.{{jax.process_index()}}.json", "w") as f:
     json.dump(results, f)
-_, state, _, _ = loop.restore_trained({workdir!r})
+_, state, _, _ = load_state.restore_trained({workdir!r})
 if jax.process_index() == 0:
     leaves = {{jax.tree_util.keystr(p): np.asarray(x) for p, x in
               jax.tree_util.tree_flatten_with_path(state.params)[0]}}
@@ -253,7 +253,7 @@ def test_dead_peer_ends_the_job(prepared_tfds, tmp_path, victim):
         assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in log
     else:
         assert "Either the leader task was preempted/died/restarted unexpectedly" in log
-    _, state, _, _ = loop.restore_trained(workdir)
+    _, state, _, _ = load_state.restore_trained(workdir)
     assert int(state.step) == checkpoints.list_steps(workdir)[-1]
 
 
@@ -348,7 +348,7 @@ def test_bad_multihost_setups_fail_with_one_line(tmp_path):
         "error: flag --heartbeat_timeout_s=0: 0 is not a positive integer; see --help"
     )
     with pytest.raises(ConfigError, match="heartbeat_timeout_s must be >= 1 second, got 0"):
-        partitioning.initialize_distributed("127.0.0.1:1234", 2, 1, heartbeat_timeout_s=0)
+        distributed.initialize_distributed("127.0.0.1:1234", 2, 1, heartbeat_timeout_s=0)
     result = _train_cli(tmp_path, "--config.train.batch_size=6", devices=4)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip() == (
@@ -358,8 +358,8 @@ def test_bad_multihost_setups_fail_with_one_line(tmp_path):
     # No process 0 listens: a clear error after the initialization timeout, not a JAX abort.
     code = (
         f"import sys; sys.path.insert(0, {ROOT!r})\n"
-        "from flaxformer_lite.parallel import partitioning\n"
-        f"partitioning.initialize_distributed('127.0.0.1:{_free_port()}', 2, 1, "
+        "from flaxformer_lite.parallel import distributed\n"
+        f"distributed.initialize_distributed('127.0.0.1:{_free_port()}', 2, 1, "
         "initialization_timeout_s=1)\n"
     )
     result = subprocess.run(

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from flaxformer_lite.training import checkpoints, loop
+from flaxformer_lite.training import load_state, loop
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
 STEPS, STOP = 8, 4  # the resumed run stops after STOP steps, then continues to STEPS
 
@@ -34,7 +35,7 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path, batching):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     loop.train_and_evaluate(_config(tfds_dir, batching, STEPS), straight, log=lambda s: None)
     shutil.copytree(straight, resumed)
-    shutil.rmtree(os.path.join(resumed, checkpoints.CHECKPOINT_DIR, str(STEPS)))
+    shutil.rmtree(os.path.join(resumed, CHECKPOINT_DIR, str(STEPS)))
     with open(os.path.join(resumed, "metrics.jsonl"), "w"):
         pass  # the continuation's records alone
     messages = []
@@ -42,8 +43,8 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path, batching):
     assert any(f"resumed from step {STOP}" in m for m in messages), messages
     assert any(f"train batches: {batching}" in m for m in messages), messages
 
-    _, a, _, _ = loop.restore_trained(straight)
-    _, b, _, _ = loop.restore_trained(resumed)
+    _, a, _, _ = load_state.restore_trained(straight)
+    _, b, _, _ = load_state.restore_trained(resumed)
     assert int(a.step) == int(b.step) == STEPS
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

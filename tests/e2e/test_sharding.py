@@ -17,19 +17,19 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {root!r} + "/tests")
 from conftest import tiny_config
 from flaxformer_lite.parallel import partitioning
-from flaxformer_lite.training import loop
+from flaxformer_lite.training import load_state, loop, optim, state as state_lib
 assert jax.device_count() == {devices}, jax.devices()
 config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8)
 config.mesh.fsdp, config.mesh.model = {fsdp}, {model}
 loop.train_and_evaluate(config, {workdir!r}, log=lambda s: None)
 # The layout training used: a feed-forward kernel [D, F] is split as declared.
-model, _, _, _ = loop.restore_trained({workdir!r})
-abstract = loop.abstract_state(model, loop.optimizer_from_config(config, model.config)[1],
+model, _, _, _ = load_state.restore_trained({workdir!r})
+abstract = state_lib.abstract_state(model, optim.from_config(config, model.config)[1],
                                     0, 10, 16)
 shardings = partitioning.logical_shardings(abstract, partitioning.mesh_from_config(config))
 kernel = shardings.params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"]
 assert kernel.shard_shape((32, 64)) == (32 // {fsdp}, 64 // {model}), kernel
-_, state, _, _ = loop.restore_trained({workdir!r})
+_, state, _, _ = load_state.restore_trained({workdir!r})
 leaves = {{jax.tree_util.keystr(p): np.asarray(x) for p, x in
           jax.tree_util.tree_flatten_with_path(state.params)[0]}}
 np.savez({out!r}, **leaves)

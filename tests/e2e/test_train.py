@@ -5,11 +5,13 @@ import os
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import tiny_config
 
-from flaxformer_lite.training import checkpoints, loop
-from flaxformer_lite.training.checkpoints import CheckpointIntegrityError, WorkdirError
+from flaxformer_lite.training import checkpoints, load_state, loop
+from flaxformer_lite.training.checkpoints import CheckpointIntegrityError
+from flaxformer_lite.training.workdir import WorkdirError
 
 
 def _train_records(workdir, split="train"):
@@ -53,8 +55,8 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
     loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), resumed, log=messages.append)
     assert any("resumed from step 10" in m for m in messages)
 
-    _, a, _, _ = loop.restore_trained(straight)
-    _, b, _, _ = loop.restore_trained(resumed)
+    _, a, _, _ = load_state.restore_trained(straight)
+    _, b, _, _ = load_state.restore_trained(resumed)
     assert int(a.step) == int(b.step) == 20
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
@@ -119,7 +121,6 @@ def test_corrupted_checkpoint_is_detected(tmp_path):
     assert meta["step"] == 1
     # Step 2 written behind the checkpointer's back, with orbax alone: a different array of
     # the same structure under step 1's checksums, as a silent bit flip would leave it.
-    ocp = checkpoints.ocp
     with ocp.CheckpointManager(
         ckpt.directory, item_names=(checkpoints.STATE_ITEM, checkpoints.META_ITEM)
     ) as foreign:

@@ -95,7 +95,7 @@ def test_shared_embeddings_with_separate_vocabularies_is_refused(tfds_dir, tmp_p
 
 
 def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path, monkeypatch):
-    from flaxformer_lite.training import loop
+    from flaxformer_lite.training import load_state, loop
     from flaxformer_lite.translate import runner
 
     workdir = str(tmp_path / "run")
@@ -106,7 +106,7 @@ def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path, mo
     assert SHARED_VOCAB_FILE not in os.listdir(workdir)
 
     run_config, vocab = runner.open_workdir(workdir)
-    model, state, restored_vocab, _ = loop.restore_trained(workdir)
+    model, state, restored_vocab, _ = load_state.restore_trained(workdir)
     assert restored_vocab == vocab and not vocab.shared
     source_size, target_size = vocab.source.vocab_size, vocab.target.vocab_size
     assert source_size != target_size

@@ -25,6 +25,7 @@ from flaxformer_lite.training.checkpoints import (
     WorkdirError,
 )
 from flaxformer_lite.training.state import TrainState
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR, check_writable, state_nbytes
 
 # A failed orbax read or write leaves its unfinished coroutines to the garbage collector.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -56,7 +57,7 @@ def assert_bitwise_equal(got, want) -> None:
 
 
 def step_dir(workdir, step) -> str:
-    return os.path.join(workdir, checkpoints.CHECKPOINT_DIR, str(step))
+    return os.path.join(workdir, CHECKPOINT_DIR, str(step))
 
 
 def array_files(workdir, step) -> list[str]:
@@ -352,7 +353,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
         # Fill the disk up to less than the state's size: the next save runs out of space.
         free = shutil.disk_usage(mount).free
         with open(os.path.join(mount, "filler"), "wb") as f:
-            f.write(b"\0" * (free - checkpoints.state_nbytes(STATES[2]) // 2))
+            f.write(b"\0" * (free - state_nbytes(STATES[2]) // 2))
         with pytest.raises(CheckpointWriteError) as e:
             ckpt.save(2, STATES[2], {})
         text = str(e.value)
@@ -383,23 +384,23 @@ def test_check_writable(tmp_path, monkeypatch):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(WorkdirError, match="is not a directory"):
-        checkpoints.check_writable(str(a_file / "run"), 0)
+        check_writable(str(a_file / "run"), 0)
     # Root ignores permission bits, but not /proc, where no file can be created.
     with pytest.raises(WorkdirError, match="cannot write checkpoints to /proc/"):
-        checkpoints.check_writable("/proc/flaxformer_lite_run", 0)
+        check_writable("/proc/flaxformer_lite_run", 0)
     workdir = str(tmp_path / "new" / "run")
-    checkpoints.check_writable(workdir, 1000)
+    check_writable(workdir, 1000)
     assert os.listdir(tmp_path) == ["file"]  # nothing created: the workdir stays new
-    need = 2 * checkpoints.state_nbytes(STATES[1])
+    need = 2 * state_nbytes(STATES[1])
     assert need == 2 * sum(x.nbytes for x in jax.tree.leaves(STATES[1]))
-    assert checkpoints.state_nbytes(abstract(STATES[1])) == need // 2
+    assert state_nbytes(abstract(STATES[1])) == need // 2
     usage = shutil.disk_usage(str(tmp_path))
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1_500_000))
     with pytest.raises(WorkdirError) as e:
-        checkpoints.check_writable(workdir, 4_000_000)
+        check_writable(workdir, 4_000_000)
     assert str(e.value) == (
         f"workdir {workdir} has 1.5 MB free, but a checkpoint needs about 4.0 MB (twice the "
         "train state, since the previous one is kept until the new one is verified); free "
         "space or pass another --workdir"
     )
-    checkpoints.check_writable(workdir, 1_000_000)
+    check_writable(workdir, 1_000_000)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config
 
-from flaxformer_lite.training import checkpoints, loop, restore
+from flaxformer_lite.training import checkpoints, load_state, loop, restore
+from flaxformer_lite.training.workdir import CHECKPOINT_DIR, load_run_config
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def rewrite_state(workdir: str, step: int, edit) -> None:
     (and so the checksums saved with the original state)."""
     import orbax.checkpoint as ocp
 
-    path = os.path.join(workdir, checkpoints.CHECKPOINT_DIR, str(step), restore.STATE_ITEM)
+    path = os.path.join(workdir, CHECKPOINT_DIR, str(step), restore.STATE_ITEM)
     checkpointer = ocp.PyTreeCheckpointer()
     state = jax.tree.map(np.array, checkpointer.restore(path))  # writable host copies
     checkpointer.save(path, edit(state), force=True)
@@ -45,12 +46,12 @@ def copy_of(workdir, tmp_path):
 def test_restored_params_equal_the_train_states(workdir):
     for step in (10, 20, None):
         params, run_config = restore.restore_params(workdir, step)
-        _, state, _, _ = loop.restore_trained(workdir, step)
+        _, state, _, _ = load_state.restore_trained(workdir, step)
         assert jax.tree.structure(params) == jax.tree.structure(state.params)
         for a, b in zip(leaves(params), leaves(state.params)):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
-    assert run_config == checkpoints.load_run_config(workdir)
+    assert run_config == load_run_config(workdir)
 
 
 def test_averaging_is_the_mean_of_the_checkpoints(workdir):
@@ -87,7 +88,7 @@ def test_no_optimizer_moments_are_read(workdir, tmp_path):
     rewrite_state(copy, 20, lambda state: {k: v for k, v in state.items() if k != "opt_state"})
     # The full train state cannot come back any more; the parameters still do, unchanged.
     with pytest.raises((ValueError, KeyError)):
-        loop.restore_trained(copy)
+        load_state.restore_trained(copy)
     params, _ = restore.restore_params(copy)
     want, _ = restore.restore_params(workdir)
     for a, b in zip(leaves(params), leaves(want)):
@@ -121,7 +122,7 @@ def test_checkpoints_restore_across_the_layer_layouts(workdir, tmp_path, tfds_di
     and a resume may flip `model.scan_layers`."""
     from flaxformer_lite.models import layer_layout
 
-    _, state, _, _ = loop.restore_trained(workdir, 20)
+    _, state, _, _ = load_state.restore_trained(workdir, 20)
     old = copy_of(workdir, tmp_path)
     _set_scan_layers(old, True)
     params, _ = restore.restore_params(old, 20)
@@ -129,7 +130,7 @@ def test_checkpoints_restore_across_the_layer_layouts(workdir, tmp_path, tfds_di
     assert jax.tree.structure(params) == jax.tree.structure(layer_layout.stack(state.params))
     for a, b in zip(leaves(params), leaves(layer_layout.stack(state.params)), strict=True):
         np.testing.assert_array_equal(a, b)
-    _, scanned, _, _ = loop.restore_trained(old, 20)
+    _, scanned, _, _ = load_state.restore_trained(old, 20)
     want = layer_layout.stack(state)
     assert jax.tree.structure(scanned) == jax.tree.structure(want)
     for a, b in zip(leaves(scanned), leaves(want), strict=True):
@@ -141,7 +142,7 @@ def test_checkpoints_restore_across_the_layer_layouts(workdir, tmp_path, tfds_di
     params, _ = restore.restore_params(stacked, 20)  # its run config reads them unrolled
     for a, b in zip(leaves(params), leaves(state.params), strict=True):
         np.testing.assert_array_equal(a, b)
-    _, unrolled, _, _ = loop.restore_trained(stacked, 20)
+    _, unrolled, _, _ = load_state.restore_trained(stacked, 20)
     for a, b in zip(leaves(unrolled), leaves(state), strict=True):
         np.testing.assert_array_equal(a, b)
 

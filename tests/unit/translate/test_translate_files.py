@@ -52,11 +52,6 @@ def test_clean_and_format_line():
     assert files.format_line([("x", -0.5), ("y", -1.0)]) == "x"
 
 
-def test_runner_keeps_the_moved_names():
-    assert runner.InputError is files.InputError
-    assert runner.read_lines is files.read_lines and runner.bleu_report is reports.bleu_report
-
-
 def test_warnings_and_summary():
     sources = runner.Sources(ids=[[5, 1], []], num_empty=1, num_truncated=2, num_unknown=1)
     warnings = reports.input_warnings(3, sources, 10)
