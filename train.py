@@ -64,16 +64,16 @@ def main(argv):
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax and TFDS are chatty at INFO/WARNING
-    from flaxformer_lite import run_config
+    from flaxformer_lite.config import run as run_config
     from flaxformer_lite.parallel import distributed
     from flaxformer_lite.tools import dry_run
 
     if FLAGS.dry_run:
-        dry_run.print_parameter_table(FLAGS.config)
+        dry_run.print_parameter_table(run_config.validate(FLAGS.config))
         return
     # A bad value fails here, in one line, before waiting for other hosts or reading data;
-    # what depends on the platform (a forced kernel) is checked once the job is joined,
-    # since JAX's backends must not start before jax.distributed.initialize.
+    # what depends on the platform (a forced kernel, a dtype "auto") is settled once the job
+    # is joined, since JAX's backends must not start before jax.distributed.initialize.
     run_config.validate(FLAGS.config, platform=False)
     from tqdm import tqdm
 
@@ -98,9 +98,8 @@ def main(argv):
     from flaxformer_lite.training.preemption import Preempted
 
     try:
-        results = loop.train_and_evaluate(
-            FLAGS.config, FLAGS.workdir, on_checked=cli.report_platform
-        )
+        run = run_config.validate(FLAGS.config)  # the config is parsed once, here
+        results = loop.train_and_evaluate(run, FLAGS.workdir, on_checked=cli.report_platform)
     except Preempted as e:  # a clean stop: the checkpoint is saved, rerunning resumes
         if jax.process_index() == 0:
             print(str(e), file=sys.stderr)

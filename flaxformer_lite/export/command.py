@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.export import int8_check, parity
 from flaxformer_lite.export.layout import ExportError, check_exportable, model_layout
 
@@ -113,14 +114,14 @@ def _exported_scores(o: Options, directory: str, vocab, pairs):
     return parity.marian_scores(model, sources, targets)[0]
 
 
-def _check_engine(o: Options, run_config: dict, cfg) -> str:
+def _check_engine(o: Options, run_config: RunConfig) -> str:
     """Refuses, before any parameter is read, what the engine cannot run; its name."""
     from flaxformer_lite.export import to_ctranslate2, to_huggingface
 
     engine = "CTranslate2" if o.to == "ctranslate2" else "Hugging Face"
-    check_exportable(run_config, cfg, engine)
+    check_exportable(run_config, engine)
     if o.to == "hf":
-        to_huggingface.check_representable(cfg)
+        to_huggingface.check_representable(run_config.model)
         to_huggingface.require()
     else:
         to_ctranslate2.require()
@@ -171,20 +172,17 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
       ExportError, WorkdirError, FileNotFoundError, StepSpecError, CheckpointIntegrityError:
         with a message that names the fix.
     """
-    import ml_collections
-
-    from flaxformer_lite import run_config as run_config_lib
     from flaxformer_lite.export import to_ctranslate2, to_huggingface  # noqa: F401 (extras)
+    from flaxformer_lite.models import from_config
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import command as decode_command
     from flaxformer_lite.translate import runner
 
     _check_options(o)
     run_config, vocab = runner.open_workdir(o.workdir, o.step)
-    cfg = run_config_lib.model_config(ml_collections.ConfigDict(run_config))
-    engine = _check_engine(o, run_config, cfg)
-    data = run_config["data"]
-    rows = max(o.max_positions, data["max_source_len"] + 1, data["max_target_len"] + 1)
+    cfg = run_config.model
+    engine = _check_engine(o, run_config)
+    data = run_config.data
+    rows = max(o.max_positions, data.max_source_len + 1, data.max_target_len + 1)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
     step = restore.resolve_step(o.workdir, o.step) if o.average == 1 else o.step
     layout = model_layout(params, cfg, position_rows=rows)
@@ -201,8 +199,8 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
                 shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
         else:  # the tokenizer it saves holds the SentencePiece models (source/target.spm)
             to_huggingface.save(layout, spm_files, pieces, staging, rows)
-        pairs = probe_pairs(vocab, o.probes, data["max_source_len"], data["max_target_len"])
-        model = decode_command.build_model(run_config)
+        pairs = probe_pairs(vocab, o.probes, data.max_source_len, data.max_target_len)
+        model = from_config.build_model(run_config)
         want = parity.ours(model, params, [p[0] for p in pairs], [p[1] for p in pairs])
         manifest_extra: dict = {}
         if o.quantization in int8_check.INT8_QUANTIZATIONS:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.nn.vocab import real_rows
 
 
@@ -91,11 +92,12 @@ class ModelLayout:
         return self.encoder.embedding is self.decoder.embedding
 
 
-def check_exportable(run_config: dict, cfg: TransformerConfig, engine: str) -> None:
+def check_exportable(run_config: RunConfig, engine: str) -> None:
     """Refuses, with one line naming the field, what a plain Transformer engine cannot run."""
+    cfg = run_config.model
     refusals = (
-        (run_config.get("nat") is not None, "the nat section (a non-autoregressive decoder)"),
-        (run_config.get("copy") is not None, "the copy section (a pointer-generator head)"),
+        (run_config.nat is not None, "the nat section (a non-autoregressive decoder)"),
+        (run_config.copy is not None, "the copy section (a pointer-generator head)"),
         (cfg.input_features > 0, f"model.input_features={cfg.input_features} (feature inputs)"),
         (cfg.encoder_window > 0, f"model.encoder_window={cfg.encoder_window} (local attention)"),
         (cfg.decoder_window > 0, f"model.decoder_window={cfg.decoder_window} (local attention)"),

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.config.variants import CopyHead, GuidedAttention, ScheduledSampling
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
 from flaxformer_lite.models.copy_transformer import CopyTransformer
-from flaxformer_lite.models.pointer_generator import CopyHead
 from flaxformer_lite.models.transformer import Transformer, token_validity
 from flaxformer_lite.nn.subsampling import subsampled_validity
 from flaxformer_lite.objectives import cross_entropy
@@ -71,11 +71,11 @@ class AutoregressiveModel(Seq2SeqModel):
 
     config: TransformerConfig
     label_smoothing: float = 0.0  # eps_ls of the training loss (§5.4)
-    scheduled_sampling: ss.ScheduledSampling = ss.ScheduledSampling()  # off: teacher forcing
+    scheduled_sampling: ScheduledSampling = ScheduledSampling()  # off: teacher forcing
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
     copy: CopyHead | None = None  # None: the plain softmax output
-    guided_attention: ga.GuidedAttention = ga.GuidedAttention()  # off: weight 0
+    guided_attention: GuidedAttention = GuidedAttention()  # off: weight 0
 
     @property
     def module(self) -> Transformer | CopyTransformer:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.config.variants import CopyHead
 from flaxformer_lite.constants import UNK_ID
 from flaxformer_lite.models import pointer_generator as pg
 from flaxformer_lite.models.capture import captured_attention
@@ -41,7 +42,7 @@ class CopyTransformer(nn.Module):
     """Encoder-decoder Transformer whose output is the pointer-generator mixture."""
 
     config: TransformerConfig
-    head: pg.CopyHead = pg.CopyHead()
+    head: CopyHead = CopyHead()
     capture: tuple[str, ...] = ()  # more attention probabilities to sow (`attention_weights`)
 
     def setup(self):

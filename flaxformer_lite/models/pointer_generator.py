@@ -17,8 +17,6 @@ Letter legend as in `nn/attention.py`; W = V + S is the extended vocabulary
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,23 +24,6 @@ import jax.numpy as jnp
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import IMPOSSIBLE
 from flaxformer_lite.nn import precision
-
-
-@dataclasses.dataclass(frozen=True)
-class CopyHead:
-    """Which attention the head copies with.
-
-    layer: decoder layer whose cross-attention is the copy distribution
-      (negative counts from the last).
-    heads: the heads averaged (empty: all of them).
-    """
-
-    layer: int = -1
-    heads: tuple[int, ...] = ()
-
-    def attention_name(self, config: TransformerConfig) -> str:
-        """The capture name of the copied layer, e.g. "decoder/cross/2"."""
-        return f"decoder/cross/{self.layer % config.num_decoder_layers}"
 
 
 def copy_attention(weights: jax.Array, heads: tuple[int, ...]) -> jax.Array:

@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.config import DROPOUT_RNGS
+from flaxformer_lite.config.model import DROPOUT_RNGS
 
 
 def mix32(x: jax.Array) -> jax.Array:

@@ -16,29 +16,8 @@ encoder length).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-
-
-@dataclasses.dataclass(frozen=True)
-class GuidedAttention:
-    """The model's guided-attention settings (run config section `guided_attention`)."""
-
-    weight: float = 0.0  # 0: off
-    sigma: float = 0.4  # g of the guide; ESPnet's default (the paper uses 0.2)
-    layers: tuple[int, ...] = (-2, -1)  # decoder layers whose cross-attention is guided
-    heads: tuple[int, ...] = (0, 1)  # guided heads of those layers; (): all
-
-    @property
-    def enabled(self) -> bool:
-        return self.weight > 0
-
-    def capture_names(self, num_decoder_layers: int) -> tuple[str, ...]:
-        """The guided layers as capture names ("decoder/cross/I"), each once."""
-        layers = dict.fromkeys(i % num_decoder_layers for i in self.layers)
-        return tuple(f"decoder/cross/{i}" for i in layers)
 
 
 def guide_weights(target_valid: jax.Array, source_valid: jax.Array, sigma: float) -> jax.Array:

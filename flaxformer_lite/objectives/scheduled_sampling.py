@@ -37,42 +37,11 @@ inputs into replacements that the model's decoder embeds
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.config.variants import SAMPLING_SCHEDULES, ScheduledSampling
 from flaxformer_lite.constants import PAD_ID
-
-MODES = ("off", "argmax", "sample", "soft")
-SCHEDULES = ("linear", "exponential", "inverse_sigmoid", "constant")
-GRADIENTS = ("last", "all")
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSampling:
-    """Scheduled-sampling settings (the run config's `scheduled_sampling` section)."""
-
-    mode: str = "off"  # off | argmax | sample | soft
-    schedule: str = "linear"  # linear | exponential | inverse_sigmoid | constant
-    k: float = 1.0  # the schedule's k (linear: eps at i = 0)
-    c: float = 1e-4  # linear: decrease of eps per step
-    eps_min: float = 0.0  # floor of eps for every schedule
-    warmup_steps: int = 0  # steps of pure teacher forcing before the schedule starts
-    temperature: float = 1.0  # sample and soft: softmax temperature of the predictions
-    gradient: str = "last"  # last: no gradient into the passes that made the inputs; all: soft
-    passes: int = 2  # decoder passes in all: 2 = two-pass decoder, > 2 = parallel variant
-
-    def __post_init__(self):
-        # The run config's checks (run_config.py) name the flag; these guard direct use.
-        if self.mode not in MODES or self.schedule not in SCHEDULES:
-            raise ValueError(f"mode must be one of {MODES} and schedule one of {SCHEDULES}")
-        if self.gradient not in GRADIENTS or self.passes < 2 or self.temperature <= 0:
-            raise ValueError(f"gradient one of {GRADIENTS}, passes >= 2, temperature > 0")
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
 
 
 def gold_probability(cfg: ScheduledSampling, step: jax.Array) -> jax.Array:
@@ -91,7 +60,8 @@ def gold_probability(cfg: ScheduledSampling, step: jax.Array) -> jax.Array:
     elif cfg.schedule == "constant":
         eps = k
     else:
-        raise ValueError(f"unknown schedule {cfg.schedule!r}; one of {', '.join(SCHEDULES)}")
+        choices = ", ".join(SAMPLING_SCHEDULES)
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; one of {choices}")
     eps = jnp.clip(jnp.maximum(eps, cfg.eps_min), 0.0, 1.0)
     return jnp.where(jnp.asarray(step) < cfg.warmup_steps, 1.0, eps)
 

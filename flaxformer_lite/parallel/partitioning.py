@@ -2,7 +2,7 @@
 
 The mesh has three axes, data x fsdp x model, and every array's layout follows
 from them through one table, `LOGICAL_RULES`, that maps the logical axis names
-parameters carry (see `config.py`) to mesh axes:
+parameters carry (see `config/model.py`) to mesh axes:
 
   data    the batch is split over it; parameters are replicated along it.
   fsdp    the batch is split over it too, and so is the `embed` dimension of
@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.sections import MeshConfig
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
@@ -128,10 +129,10 @@ def _rows_per_process_contiguous(mesh: Mesh) -> bool:
     return True
 
 
-def mesh_from_config(config) -> Mesh:
-    """The mesh a run config asks for (section `mesh`: fsdp, model; absent: data only)."""
-    section = config.get("mesh") or {}
-    return make_mesh(fsdp=section.get("fsdp", 1), model=section.get("model", 1))
+def mesh_from_config(mesh: MeshConfig) -> Mesh:
+    """The mesh a run's `mesh` section asks for (fsdp x model; the rest of the devices
+    form the data axis)."""
+    return make_mesh(fsdp=mesh.fsdp, model=mesh.model)
 
 
 # The run-config field that sets each sharded logical dimension of a parameter.

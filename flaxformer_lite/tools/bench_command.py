@@ -38,7 +38,7 @@ _SIZE_FLAGS = {
 
 def _size_values(opts: Options, only_present: bool) -> dict:
     """The model fields the size flags set ("auto" dtype resolved for this platform)."""
-    from flaxformer_lite.config import parse_dtype
+    from flaxformer_lite.config.model import parse_dtype
 
     values = {
         field: getattr(opts.flags, flag)
@@ -53,16 +53,15 @@ def _size_values(opts: Options, only_present: bool) -> dict:
 
 def model_config(opts: Options):
     """The model to time: --config's (its data.vocab_size as the vocabulary), or the flags'."""
-    from flaxformer_lite import run_config
     from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.config import run as run_config
     from flaxformer_lite.nn import kernels
 
     kernels.check_platform(opts.flags.attention_impl)
     if opts.flags.config is None:
         values = _size_values(opts, only_present=False)
         return TransformerConfig(dropout_rate=0.1, max_len=1024, **values)
-    run_config.validate(opts.flags.config)
-    config = run_config.planned_model_config(opts.flags.config)
+    config = run_config.validate(opts.flags.config).model
     given = _size_values(opts, only_present=True)
     if "vocab_size" in given and config.target_vocab_size is None:
         given["target_vocab_size"] = None
@@ -294,9 +293,10 @@ def _train(f, config, log) -> dict:
 
 def _input(f, train: dict | None, log) -> dict:
     """The input pipeline's examples/s, and beside it the train step's (when timed)."""
+    from flaxformer_lite.config import run as run_config
     from flaxformer_lite.tools.input_benchmark import input_benchmark
 
-    results = input_benchmark(f.config, f.input_batches, log)
+    results = input_benchmark(run_config.parse(f.config), f.input_batches, log)
     if train and "step_s" in train:
         step_rate = f.batch / train["step_s"]
         log(
@@ -311,12 +311,11 @@ def _input(f, train: dict | None, log) -> dict:
 def _scheduled_sampling(f):
     """The scheduled sampling to time against teacher forcing: --config's section with
     --scheduled_sampling's mode when given; None when neither turns it on."""
-    from flaxformer_lite import run_config
-    from flaxformer_lite.objectives.scheduled_sampling import ScheduledSampling
+    from flaxformer_lite.config import variants
 
-    sampling = ScheduledSampling()
+    sampling = variants.ScheduledSampling()
     if f.config is not None:
-        sampling = run_config.scheduled_sampling_of(f.config)
+        sampling = variants.scheduled_sampling_section(f.config)
     if f.scheduled_sampling:
         sampling = dataclasses.replace(sampling, mode=f.scheduled_sampling)
     return sampling if sampling.enabled else None

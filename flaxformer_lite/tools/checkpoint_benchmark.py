@@ -25,9 +25,9 @@ def _model_config(path: str):
     spec = importlib.util.spec_from_file_location("_bench_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from flaxformer_lite import run_config
+    from flaxformer_lite.config import run as run_config
 
-    return run_config.planned_model_config(module.get_config())
+    return run_config.parse(module.get_config()).model
 
 
 def measure(run, state, steps: int, save_every: int, asynchronous: bool) -> dict[str, float]:

@@ -65,7 +65,8 @@ PROFILES = {
 def model_configs() -> dict[str, Any]:
     """The paper's base and big models (Table 3), vocabulary 37000 (WMT14 EN-DE), in the
     platform's compute dtype."""
-    from flaxformer_lite.config import TransformerConfig, parse_dtype
+    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.config.model import parse_dtype
 
     dtype = parse_dtype("dtype", "auto")  # bf16 on GPUs and TPUs, float32 on CPUs
     base = TransformerConfig(vocab_size=37000, dropout_rate=0.1, dtype=dtype, max_len=1024)

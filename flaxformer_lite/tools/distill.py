@@ -32,9 +32,9 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data import common
 from flaxformer_lite.files import atomic_write
-from flaxformer_lite.models.from_config import has_copy_head
 from flaxformer_lite.translate import files, reports, runner
 
 MANIFEST = "distill.json"
@@ -149,7 +149,7 @@ def distill_targets(
     model,
     params,
     tokenizer,
-    run_config: dict,
+    run_config: RunConfig,
     sources: Sequence[str],
     *,
     search,
@@ -163,8 +163,8 @@ def distill_targets(
     breaks made spaces); a blank source gets an empty target without running the model.
     """
     distinct = list(dict.fromkeys(sources))  # first-seen order
-    max_source_len = run_config["data"]["max_source_len"]
-    copy_head = has_copy_head(run_config)  # its extended ids, as in training
+    max_source_len = run_config.data.max_source_len
+    copy_head = run_config.copy is not None  # its extended ids, as in training
     tokenized = runner.tokenize_lines(tokenizer, distinct, max_source_len, extended=copy_head)
     for warning in reports.input_warnings(0, tokenized, max_source_len):
         log(f"{warning} (of the {len(distinct)} distinct training sources)")
@@ -244,14 +244,10 @@ def _fsync_dir(path: str) -> None:
 # The command.
 
 
-def teacher_data(run_config: dict):
-    """The data section of a teacher run's saved config, parsed as training parses it; a
-    parallel-text corpus must be where the run read it (files.InputError otherwise)."""
-    import ml_collections
-
-    from flaxformer_lite import run_config as run_config_lib
-
-    data = run_config_lib.parse(ml_collections.ConfigDict(run_config)).data
+def teacher_data(run_config: RunConfig):
+    """The data section of a teacher run's saved config; a parallel-text corpus must be
+    where the run read it (files.InputError otherwise)."""
+    data = run_config.data
     if data.dataset == "parallel_text" and not os.path.isdir(data.corpus_dir):
         fix = "restore the corpus there"
         if not os.path.isabs(data.corpus_dir):  # read from train.py's working directory
@@ -276,8 +272,8 @@ def run(
         change.
     """
     from flaxformer_lite import datasets
+    from flaxformer_lite.models import from_config
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import command
 
     start = time.perf_counter()
     check_output_dir(o.output_dir)
@@ -290,7 +286,7 @@ def run(
     step = restore.resolve_step(o.workdir, o.step, log=log)
     on_inputs_checked()
     params, _ = restore.restore_params(o.workdir, step, log=log)
-    model = command.build_model(run_config)
+    model = from_config.build_model(run_config)
 
     sources = common.texts(splits["train"], common.SOURCE_FIELD)
     gold = common.texts(splits["train"], common.TARGET_FIELD)

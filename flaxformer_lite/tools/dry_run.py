@@ -5,20 +5,18 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.models.from_config import build_model
 from flaxformer_lite.training.state import init_shapes
 
 
-def abstract_params(config: ml_collections.ConfigDict):
-    """Parameter shapes (boxed with logical axes) of a run config's model, no allocation.
-
-    The vocabulary sizes are those of `data` (what the tokenizer will be asked for).
+def abstract_params(config: RunConfig):
+    """Parameter shapes (boxed with logical axes) of a parsed run config's model, with
+    nothing allocated. The vocabulary sizes are those of `data` (what the tokenizer will be
+    asked for) until the run has trained its vocabularies.
     """
-    run_config_lib.validate(config)
-    model = build_model(config, run_config_lib.planned_model_config(config))
+    model = build_model(config)
     shapes = init_shapes(model, 8, 8)  # frames for a feature encoder
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), shapes))
 
@@ -39,7 +37,7 @@ def parameter_table(params) -> list[tuple[str, str, int]]:
     ]
 
 
-def print_parameter_table(config: ml_collections.ConfigDict) -> int:
+def print_parameter_table(config: RunConfig) -> int:
     """Prints one row per module and a last line `total_params=<N>`; returns N."""
     rows = parameter_table(abstract_params(config))
     width = max(len(r[0]) for r in rows)

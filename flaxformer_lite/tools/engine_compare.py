@@ -211,22 +211,19 @@ def file_bleu(
     second pass: the first compiles our searches, one per length bucket) and the share of
     lines identical to ours, greedy and beam (ours: GNMT penalty `alpha`; CTranslate2: its
     length normalisation, `length_penalty` 1)."""
-    import ml_collections
-
-    from flaxformer_lite import run_config as run_config_lib
+    from flaxformer_lite.models import from_config
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import command as decode_command
     from flaxformer_lite.translate import files, runner
 
     run_config, vocab = runner.open_workdir(workdir)
-    cfg = run_config_lib.model_config(ml_collections.ConfigDict(run_config))
-    layout_lib.check_exportable(run_config, cfg, "CTranslate2")
+    cfg = run_config.model
+    layout_lib.check_exportable(run_config, "CTranslate2")
     params, _ = restore.restore_params(workdir)
-    model = decode_command.build_model(run_config)
+    model = from_config.build_model(run_config)
     lines, _ = files.read_lines(input_path)
     references, _ = files.read_lines(reference_path)
-    max_len = run_config["data"]["max_target_len"]
-    max_source = run_config["data"]["max_source_len"]
+    max_len = run_config.data.max_target_len
+    max_source = run_config.data.max_source_len
     pieces = [[vocab.source.id_to_piece(i) for i in vocab.source.encode(line)] for line in lines]
     pieces = [p[: max_source - 1] for p in pieces]  # ours keeps max_source_len ids with EOS
     results = {}

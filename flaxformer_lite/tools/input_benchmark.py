@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 
 import jax
-import ml_collections
 import numpy as np
+
+from flaxformer_lite.config.run import RunConfig
 
 
 def examples_in(batch: dict[str, np.ndarray]) -> int:
@@ -28,25 +29,30 @@ def examples_in(batch: dict[str, np.ndarray]) -> int:
 
 
 def input_benchmark(
-    config: ml_collections.ConfigDict, batches: int, log: Callable[[str], None] = print
+    config: RunConfig, batches: int, log: Callable[[str], None] = print
 ) -> dict[str, float]:
     """{prepare_s, batches, examples, examples_per_s, batches_per_s} of `config`'s training input.
 
     The vocabulary is trained into a temporary directory (none of a workdir is touched).
     """
     from flaxformer_lite import datasets
-    from flaxformer_lite import run_config as run_config_lib
     from flaxformer_lite.parallel import partitioning
     from flaxformer_lite.training import step as step_lib
     from flaxformer_lite.training import train_data
 
-    run_config_lib.validate(config)
-    mesh = partitioning.mesh_from_config(config)
+    mesh = partitioning.mesh_from_config(config.mesh)
     t0 = time.perf_counter()
-    splits = datasets.load_splits(run_config_lib.parse(config).data)
+    splits = datasets.load_splits(config.data)
     with tempfile.TemporaryDirectory(prefix="input-bench-") as workdir:
-        tokenizer, _ = train_data.load_or_train_tokenizer(config, workdir, splits["train"])
-    plan = train_data.make_train_batches(config, splits["train"], tokenizer, lambda s: None)
+        tokenizer, _ = train_data.load_or_train_tokenizer(config.data, workdir, splits["train"])
+    plan = train_data.make_train_batches(
+        config.data,
+        config.train,
+        splits["train"],
+        tokenizer,
+        lambda s: None,
+        extended=config.copy is not None,
+    )
     prepare_s = time.perf_counter() - t0
 
     counted = []

@@ -194,8 +194,8 @@ def _autoregressive(**overrides):
 
 
 def _copy_model():
+    from flaxformer_lite.config.variants import CopyHead
     from flaxformer_lite.models.autoregressive import AutoregressiveModel
-    from flaxformer_lite.models.pointer_generator import CopyHead
 
     return AutoregressiveModel(
         small_config(), label_smoothing=0.1, copy=CopyHead(layer=-1, heads=(0,))

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import ml_collections
 
-from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.models.from_config import build_model
 from flaxformer_lite.parallel import partitioning
@@ -20,7 +19,7 @@ from flaxformer_lite.training.workdir import load_run_config
 
 
 def restore_trained(workdir: str, step: int | None = None, average: int = 1):
-    """Loads a training workdir whole: (model, train state, vocabularies, run config dict).
+    """Loads a training workdir whole: (model, train state, vocabularies, `RunConfig`).
 
     For resuming and for tests that compare states; decoding reads parameters
     only (`restore.restore_params`).
@@ -34,14 +33,12 @@ def restore_trained(workdir: str, step: int | None = None, average: int = 1):
       FileNotFoundError: it has no (complete) checkpoint, or fewer than `average`.
     """
     saved = load_run_config(workdir)
-    config = ml_collections.ConfigDict(saved)
-    model_cfg = run_config_lib.model_config(config)
-    model = build_model(config, model_cfg)
-    _, tx = optim.from_config(config, model_cfg)
+    model = build_model(saved)
+    _, tx = optim.of_run(saved)
     tokenizer = tokenizer_lib.Vocabularies.load(workdir)
     mesh = partitioning.make_mesh()
-    d = config.data
-    abstract = abstract_state(model, tx, config.train.seed, d.max_source_len, d.max_target_len)
+    d = saved.data
+    abstract = abstract_state(model, tx, saved.train.seed, d.max_source_len, d.max_target_len)
     shardings = partitioning.logical_shardings(abstract, mesh)
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -59,7 +56,6 @@ def restore_trained(workdir: str, step: int | None = None, average: int = 1):
     return model, state, tokenizer, saved
 
 
-def saved_param_shapes(saved: dict) -> ParamShapes:
+def saved_param_shapes(saved: RunConfig) -> ParamShapes:
     """`state.param_shapes` of the model of a run config as a workdir saved it."""
-    config = ml_collections.ConfigDict(saved)
-    return param_shapes(build_model(config, run_config_lib.model_config(config)))
+    return param_shapes(build_model(saved))

@@ -18,18 +18,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from tqdm import tqdm
 
 from flaxformer_lite import datasets
-from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.config import sections
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.common import texts
 from flaxformer_lite.evaluation import exposure_probe
 from flaxformer_lite.models.base import Seq2SeqModel
-from flaxformer_lite.models.from_config import build_model, has_copy_head, search_from_config
-from flaxformer_lite.nn import precision
+from flaxformer_lite.models.from_config import build_model, search_from_config
+from flaxformer_lite.nn import kernels, precision
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.parallel import distributed, partitioning
 from flaxformer_lite.training import checkpoints, optim, train_data
@@ -51,42 +51,41 @@ from flaxformer_lite.training.workdir import (
 Log = Callable[[str], None]
 
 
-def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str):
-    """Data splits, tokenizer, model config, saved run config, and whether the workdir had a run.
+def _prepare_workdir(planned: RunConfig, workdir: str):
+    """Data splits, tokenizer, the run with its vocabularies' sizes, and whether the workdir
+    had a run.
 
     Process 0 prepares the data, trains the vocabulary and claims the workdir;
     the others then read its vocabulary (see `distributed.process_0_first`).
     """
-    splits = datasets.load_splits(run_config_lib.parse(config).data)
+    splits = datasets.load_splits(planned.data)
     if jax.process_index() != 0 and not tokenizer_lib.Vocabularies.exists(workdir):
         raise WorkdirError(
             f"process {jax.process_index()} cannot see the vocabulary in {workdir}, which "
             "process 0 wrote: the workdir must be on a filesystem that every host shares"
         )
-    tokenizer, new_vocab = train_data.load_or_train_tokenizer(config, workdir, splits["train"])
-    model_cfg = run_config_lib.model_config(
-        config,
-        tokenizer.source.vocab_size,
-        None if tokenizer.shared else tokenizer.target.vocab_size,
+    tokenizer, new_vocab = train_data.load_or_train_tokenizer(
+        planned.data, workdir, splits["train"]
     )
-    saved = run_config_lib.to_saved_dict(config, model_cfg)
-    shapes = param_shapes(build_model(config, model_cfg))
-    had_run = claim_workdir(workdir, saved, shapes, saved_param_shapes)
+    run = planned.with_vocab(
+        tokenizer.source.vocab_size, None if tokenizer.shared else tokenizer.target.vocab_size
+    )
+    had_run = claim_workdir(workdir, run, param_shapes(build_model(run)), saved_param_shapes)
     if new_vocab and jax.process_index() == 0:
         tokenizer.save(workdir)
-    return splits, tokenizer, model_cfg, saved, had_run
+    return splits, tokenizer, run, had_run
 
 
 @dataclasses.dataclass
 class Run:
     """Everything `prepare` sets up; `close` releases what it opened."""
 
-    config: ml_collections.ConfigDict
+    config: RunConfig  # with the vocabularies' sizes
     log: Log
     mesh: Any
     model: Seq2SeqModel
     tokenizer: Any
-    saved: dict
+    saved: dict  # config.to_json(), stored with every checkpoint
     schedule: Any
     state: TrainState
     train_step: Callable
@@ -179,13 +178,13 @@ class Run:
             max_batches=max_batches,
             should_stop=None if self.signals is None else self.signals.poll,
             bleu=self.config.train.eval_bleu,
-            wer=datasets.has_features(run_config_lib.parse(self.config).data),
+            wer=datasets.has_features(self.config.data),
             exposure=exposure_probe.Probe.for_search(
                 self.model,
                 search_from_config(self.config),
                 # Re-tokenizing text would lose the copy head's extended ids.
                 None
-                if has_copy_head(self.config)
+                if self.config.copy is not None
                 else tokenizer_lib.Vocabularies.of(self.tokenizer).target,
             )
             if self.config.train.exposure_report
@@ -193,7 +192,7 @@ class Run:
         )
 
 
-def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
+def _eval_sets(config: RunConfig, splits, tokenizer) -> tuple[dict, dict]:
     """Ordered, padded batches of the held-out splits, and their reference strings."""
     d, t = config.data, config.train
     sets = {
@@ -203,7 +202,7 @@ def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
             batch_size=t.eval_batch_size,
             max_source_len=d.max_source_len,
             max_target_len=d.max_target_len,
-            extended=has_copy_head(config),
+            extended=config.copy is not None,
         )
         for name in ("validation", "test")
         if name in splits
@@ -211,7 +210,7 @@ def _eval_sets(config, splits, tokenizer) -> tuple[dict, dict]:
     return sets, {name: texts(splits[name], "target") for name in sets}
 
 
-def _checkpointer(config, workdir: str, state, log: Log) -> checkpoints.Checkpointer:
+def _checkpointer(config: RunConfig, workdir: str, state, log: Log) -> checkpoints.Checkpointer:
     """The run's checkpointer, once the workdir is known to have room for two checkpoints
     (the previous one stays until the next one is written and verified)."""
     t = config.train
@@ -223,39 +222,39 @@ def _checkpointer(config, workdir: str, state, log: Log) -> checkpoints.Checkpoi
         save_every=t.checkpoint_every,
         keep_best=t.keep_best_checkpoints,
         best_metric=t.best_metric,
-        best_mode=run_config_lib.BEST_METRICS[t.best_metric],
+        best_mode=sections.BEST_METRICS[t.best_metric],
         log=log,
         asynchronous=t.async_checkpoints,
     )
 
 
 def prepare(
-    config: ml_collections.ConfigDict,
+    planned: RunConfig,
     workdir: str,
     log: Log,
     on_checked: Callable[[], object] = lambda: None,
 ) -> Run:
-    """Validates the config, prepares data and workdir, builds (or restores) the state.
+    """Prepares data and workdir, builds (or restores) the state of a parsed run config.
 
     `on_checked` runs once the config and the mesh passed their checks (train.py
     reports the platform there, after a user mistake's one-line error would be).
     A latest checkpoint that cannot be read or fails its checksums is set aside
     and the newest good one restored (see `Checkpointer.restore_latest_good`).
     """
-    run_config_lib.validate(config)
-    t, d = config.train, config.data
-    mesh = partitioning.mesh_from_config(config)
+    kernels.check_platform(planned.model.attention_impl)
+    t, d = planned.train, planned.data
+    mesh = partitioning.mesh_from_config(planned.mesh)
     if not (d.batching == "bucket" and d.max_tokens):
         partitioning.check_batch_size(t.batch_size, mesh, "train.batch_size")
     partitioning.check_batch_size(t.eval_batch_size, mesh, "train.eval_batch_size")
     if jax.process_index() == 0:
         on_checked()
-    splits, tokenizer, model_cfg, saved, had_run = distributed.process_0_first(
-        lambda: _prepare_workdir(config, workdir), "preparing the data and the workdir"
+    splits, tokenizer, config, had_run = distributed.process_0_first(
+        lambda: _prepare_workdir(planned, workdir), "preparing the data and the workdir"
     )
-    model = build_model(config, model_cfg)
-    log(precision.describe(model_cfg, config.optim.get("state_dtype", "float32")))
-    schedule, tx = optim.from_config(config, model_cfg)
+    model = build_model(config)
+    log(precision.describe(config.model, config.optim.state_dtype))
+    schedule, tx = optim.of_run(config)
     state, shardings = create_state(
         model, tx, mesh, seed=t.seed, source_len=d.max_source_len, target_len=d.max_target_len
     )
@@ -269,7 +268,7 @@ def prepare(
         mesh=mesh,
         model=model,
         tokenizer=tokenizer,
-        saved=saved,
+        saved=config.to_json(),
         schedule=schedule,
         state=state,
         train_step=step_lib.jit_train_step(
@@ -277,11 +276,13 @@ def prepare(
         ),
         eval_step=step_lib.jit_eval_step(model, mesh),
         decode_fn=lambda params, batch: model.predict(params, batch, search)[0][:, 0],
-        train_batches=train_data.make_train_batches(config, splits["train"], tokenizer, log),
+        train_batches=train_data.make_train_batches(
+            d, t, splits["train"], tokenizer, log, extended=config.copy is not None
+        ),
         eval_sets=eval_sets,
         references=references,
         descriptions={name: texts(splits[name], "source") for name in eval_sets}
-        if datasets.has_features(run_config_lib.parse(config).data)
+        if datasets.has_features(d)
         else {},
         ckpt=ckpt,
         early_stop=EarlyStopping(t.best_metric, ckpt.best_mode, t.early_stop_patience),
@@ -297,7 +298,7 @@ def prepare(
         run.early_stop.restore(restored_meta.get("early_stop"))
         run.writer = MetricWriter(workdir, tensorboard=t.tensorboard)
         run.start = int(run.state.step)
-        run.data_id = train_data.data_identity(config, splits["train"])
+        run.data_id = train_data.data_identity(d, t, splits["train"])
         run.first_batch = train_data.first_batch(
             restored_meta.get("data"), run.data_id, run.start, log
         )
@@ -434,12 +435,13 @@ def final_evaluation(run: Run) -> dict[str, float]:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     workdir: str,
     log: Log | None = None,
     on_checked: Callable[[], object] = lambda: None,
 ) -> dict[str, float]:
-    """Trains (or resumes) the run in `workdir`, evaluates, and returns final metrics.
+    """Trains (or resumes) the run of a parsed run config (`config.run.parse`) in `workdir`,
+    evaluates, and returns final metrics.
 
     In a multi-process job every process calls this with the same arguments
     (after `distributed.initialize_distributed`); each feeds its own rows of

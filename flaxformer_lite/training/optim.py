@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from flaxformer_lite.config import ConfigError
-
-SCHEDULES = ("rsqrt", "constant", "cosine")
+from flaxformer_lite.config.run import RunConfig
+from flaxformer_lite.config.sections import SCHEDULES, OptimConfig
 
 
 def paper_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
@@ -95,25 +95,37 @@ def in_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransf
     return optax.GradientTransformation(init, update)
 
 
-def from_config(config, model_cfg):
-    """(schedule, optimiser) of a run config."""
-    o = config.optim
+def from_config(
+    optim: OptimConfig, *, d_model: int, param_dtype, total_steps: int
+) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    """(schedule, optimiser) of a run's `optim` section for a model of `d_model` whose
+    parameters are stored in `param_dtype`, trained for `total_steps`."""
     schedule = make_schedule(
-        o.schedule,
-        d_model=model_cfg.d_model,
-        warmup_steps=o.warmup_steps,
-        learning_rate=o.learning_rate,
-        total_steps=config.train.num_steps,
+        optim.schedule,
+        d_model=d_model,
+        warmup_steps=optim.warmup_steps,
+        learning_rate=optim.learning_rate,
+        total_steps=total_steps,
     )
     tx = make_optimizer(
         schedule,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        grad_clip_norm=o.grad_clip_norm,
+        b1=optim.b1,
+        b2=optim.b2,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        grad_clip_norm=optim.grad_clip_norm,
     )
-    state_dtype = jnp.dtype(o.get("state_dtype", "float32"))
-    if state_dtype != jnp.dtype(model_cfg.param_dtype):
+    state_dtype = jnp.dtype(optim.state_dtype)
+    if state_dtype != jnp.dtype(param_dtype):
         tx = in_dtype(tx, state_dtype)
     return schedule, tx
+
+
+def of_run(run: RunConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    """`from_config` for a whole `RunConfig`: its model and `train.num_steps`."""
+    return from_config(
+        run.optim,
+        d_model=run.model.d_model,
+        param_dtype=run.model.param_dtype,
+        total_steps=run.train.num_steps,
+    )

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.training import checkpoint_checks, checkpoints
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, load_run_config
@@ -214,7 +215,7 @@ def restore_params(
     *,
     sharding: jax.sharding.Sharding | None = None,
     log: Callable[[str], None] = _warn,
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[Any, RunConfig]:
     """Parameters of a training workdir's checkpoint, and its run config.
 
     Args:
@@ -227,7 +228,7 @@ def restore_params(
       log: where "latest-good" warns about the unusable steps it skips.
     Returns:
       (params: the nested dict of arrays the model was trained with, the run
-      config dict saved in the workdir).
+      config saved in the workdir).
     Raises:
       WorkdirError: not a training workdir.
       StepSpecError: `step` is no step spec.
@@ -255,7 +256,7 @@ def restore_params(
     return _model_layout(mean, run_config), run_config
 
 
-def _model_layout(params: Any, run_config: dict[str, Any]) -> Any:
+def _model_layout(params: Any, run: RunConfig) -> Any:
     """`params` with their layers stacked or not as the run config's model reads them: a
     checkpoint written before `model.scan_layers` stored them stacked holds them unrolled."""
-    return layer_layout.to_layout(params, bool(run_config.get("model", {}).get("scan_layers")))
+    return layer_layout.to_layout(params, run.model.scan_layers)

@@ -16,14 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import ml_collections
 
 from flaxformer_lite import datasets
-from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.sections import DataConfig, TrainConfig
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.common import texts
-from flaxformer_lite.models.from_config import has_copy_head
 
 
 def prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2) -> Iterator:
@@ -57,27 +56,26 @@ def device_prefetch(batches: Iterator, put: Callable[[dict], dict], size: int = 
     yield from ahead
 
 
-def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer, log):
+def make_train_batches(
+    data: DataConfig, train: TrainConfig, train_split, tokenizer, log, *, extended: bool = False
+):
     """Random-access training batches: `batches[step]` is the batch of that step.
 
     data.batching: "fixed" (every batch at the maximum lengths), "bucket" (a few
     length buckets; data.max_tokens > 0 sizes each bucket's rows by a token
     budget) or "pack" (several examples per row, with segment ids). Each
-    process reads only its own rows.
+    process reads only its own rows. `extended`: the copy head's extended ids
+    (data/extended_ids.py).
     """
-    t, d = config.train, config.data
+    t, d = train, data
     mode = d.batching
-    if mode not in ("fixed", "bucket", "pack"):
-        raise run_config_lib.ConfigError(
-            f"data.batching={mode!r} is not one of fixed, bucket, pack"
-        )
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     tokenized = batching.tokenize_split(
         train_split,
         tokenizer,
         max_source_len=d.max_source_len,
         max_target_len=d.max_target_len,
-        extended=has_copy_head(config),  # the copy head's extended ids
+        extended=extended,
     )
     log(
         f"train: {len(tokenized.sources)} examples, {tokenized.num_sources_truncated} sources "
@@ -113,23 +111,23 @@ def make_train_batches(config: ml_collections.ConfigDict, train_split, tokenizer
     return plan
 
 
-def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, train_split):
+def load_or_train_tokenizer(data: DataConfig, workdir: str, train_split):
     """(the workdir's vocabularies if it has them, else ones trained on the training split,
     whether they are new)."""
     if tokenizer_lib.Vocabularies.exists(workdir):
         vocab = tokenizer_lib.Vocabularies.load(workdir)
-        if vocab.shared != config.data.shared_vocab:
-            raise run_config_lib.ConfigError(
-                f"data.shared_vocab={config.data.shared_vocab} but workdir {workdir} "
+        if vocab.shared != data.shared_vocab:
+            raise ConfigError(
+                f"data.shared_vocab={data.shared_vocab} but workdir {workdir} "
                 f"holds {'one shared vocabulary' if vocab.shared else 'separate vocabularies'}; "
                 "use the run's setting or a new --workdir"
             )
         return vocab, False
-    d = config.data
+    d = data
     targets = texts(train_split, "target")
     # A speech source is frames: its text is a description, and the vocabulary (both sides'
     # when not shared; the source one is then never read) comes from the transcripts alone.
-    features = datasets.has_features(run_config_lib.parse(config).data)
+    features = datasets.has_features(d)
     vocab = tokenizer_lib.Vocabularies.train(
         (targets if not d.shared_vocab else []) if features else texts(train_split, "source"),
         targets,
@@ -141,9 +139,9 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str, tra
     return vocab, True
 
 
-def data_identity(config: ml_collections.ConfigDict, train_split) -> dict[str, Any]:
+def data_identity(data: DataConfig, train: TrainConfig, train_split) -> dict[str, Any]:
     """What decides the sequence of training batches (batch i is a function of these and i)."""
-    t, d = config.train, config.data
+    t, d = train, data
     mode = d.batching
     return {
         "train_examples": len(train_split),

@@ -24,12 +24,13 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import numpy as np
 
 from flaxformer_lite import files
+from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.run import RunConfig
 
 # {parameter path: (shape, dtype name)}, as `training.state.param_shapes` returns.
 ParamShapes = Mapping[str, tuple[tuple[int, ...], str]]
@@ -44,9 +45,9 @@ class WorkdirError(RuntimeError):
 
 def claim_workdir(
     workdir: str,
-    run_config: dict[str, Any],
+    run: RunConfig,
     param_shapes: ParamShapes,
-    saved_param_shapes: Callable[[dict[str, Any]], ParamShapes],
+    saved_param_shapes: Callable[[RunConfig], ParamShapes],
 ) -> bool:
     """Makes sure `workdir` belongs to this run; returns True if it already had a run.
 
@@ -56,7 +57,7 @@ def claim_workdir(
 
     Args:
       workdir: directory path (created if missing).
-      run_config: JSON-friendly full config (`run_config.to_saved_dict`).
+      run: this run's config, with its vocabularies' sizes (saved as `run.to_json()`).
       param_shapes: this run's {parameter path: (shape, dtype name)}
         (`training.state.param_shapes`).
       saved_param_shapes: computes those of a saved run config
@@ -77,7 +78,7 @@ def claim_workdir(
         previous = _read_run_config(marker, "or use another --workdir")
         try:
             old = saved_param_shapes(previous)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:  # (ConfigError is a ValueError)
             raise WorkdirError(
                 f"workdir {workdir!r} holds a run config whose model cannot be built here "
                 f"({type(e).__name__}: {e}); pass a new --workdir"
@@ -85,7 +86,7 @@ def claim_workdir(
         diffs = shape_differences(old, param_shapes)
         if diffs:
             more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-            before, now = previous.get("model", {}), run_config.get("model", {})
+            before, now = previous.model.to_dict(), run.model.to_dict()
             fields = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
             raise WorkdirError(
                 f"workdir {workdir!r} holds a model with other parameters ("
@@ -97,7 +98,7 @@ def claim_workdir(
         return True
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
-        files.atomic_write(marker, json.dumps(run_config, indent=2, sort_keys=True).encode())
+        files.atomic_write(marker, json.dumps(run.to_json(), indent=2, sort_keys=True).encode())
     return False
 
 
@@ -115,8 +116,9 @@ def shape_differences(there: ParamShapes, here: ParamShapes) -> list[str]:
     return out
 
 
-def load_run_config(workdir: str) -> dict[str, Any]:
-    """Reads the run config saved in a workdir (for decoding and inspection)."""
+def load_run_config(workdir: str) -> RunConfig:
+    """The run config saved in a workdir, typed; one an earlier version saved is read as
+    that version meant it (`RunConfig.from_json`)."""
     marker = os.path.join(workdir, RUN_CONFIG)
     if not os.path.exists(marker):
         raise WorkdirError(
@@ -126,8 +128,8 @@ def load_run_config(workdir: str) -> dict[str, Any]:
     return _read_run_config(marker, "or pass the --workdir that train.py wrote")
 
 
-def _read_run_config(marker: str, fix: str) -> dict[str, Any]:
-    """The JSON object in `marker`, or a WorkdirError naming what is wrong with the file."""
+def _read_run_config(marker: str, fix: str) -> RunConfig:
+    """The run config in `marker`, or a WorkdirError naming what is wrong with the file."""
     with open(marker, "rb") as f:
         data = f.read()
     try:
@@ -141,9 +143,12 @@ def _read_run_config(marker: str, fix: str) -> dict[str, Any]:
             f"{marker} is not a run config (train.py writes a JSON object with model and "
             f"data sections); restore it, {fix}"
         )
-    # Runs saved before the vocabulary was padded stored exactly V rows (`nn/vocab.py`).
-    config["model"].setdefault("vocab_multiple", 1)
-    return config
+    try:
+        return RunConfig.from_json(config)
+    except (ConfigError, TypeError) as e:
+        raise WorkdirError(
+            f"{marker} holds a run config this version cannot read ({e}); {fix}"
+        ) from None
 
 
 def state_nbytes(tree) -> int:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from flaxformer_lite.data.tokenizer import Vocabularies
-from flaxformer_lite.models.from_config import has_copy_head
+from flaxformer_lite.models import from_config
 from flaxformer_lite.translate import exposure, files, reports, runner
 
 
@@ -53,17 +53,6 @@ class Options:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def build_model(run_config: dict):
-    """The model a workdir's run config describes (no parameters)."""
-    import ml_collections
-
-    from flaxformer_lite import run_config as run_config_lib
-    from flaxformer_lite.models import from_config
-
-    config = ml_collections.ConfigDict(run_config)
-    return from_config.build_model(config, run_config_lib.model_config(config))
 
 
 def _check_options(o: Options) -> None:
@@ -130,7 +119,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     _check_options(o)
     run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
     search = None
-    non_autoregressive = run_config.get("nat") is not None
+    non_autoregressive = run_config.nat is not None
     _check_model_kind(o, non_autoregressive)
     if runner.is_speech(run_config):
         _check_speech_options(o)
@@ -150,7 +139,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
             **{k: getattr(o, k) for k in ("top_p", "max_len", "min_len", "nbest")},
         )
     if o.attention_png:
-        num_layers = run_config["model"]["num_decoder_layers"]
+        num_layers = run_config.model.num_decoder_layers
         reports.check_attention_layer(o.attention_layer, num_layers)
     lines, num_invalid = files.read_lines(o.input)
     references = None
@@ -162,8 +151,8 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         files.write_lines(o.output, [])
         log("input is empty: nothing to decode")
         return
-    max_source_len = run_config["data"]["max_source_len"]
-    copy_head = has_copy_head(run_config)  # extended ids, as in training
+    max_source_len = run_config.data.max_source_len
+    copy_head = run_config.copy is not None  # extended ids, as in training
     if runner.is_speech(run_config):
         sources = runner.features_of_lines(lines, run_config, max_source_len)
     else:
@@ -174,7 +163,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         log(warning)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
     on_inputs_checked()
-    model = build_model(run_config)
+    model = from_config.build_model(run_config)
     if o.score:
         _score(o, model, params, tokenizer, run_config, sources, references)
     else:
@@ -233,7 +222,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
 def _score(o, model, params, tokenizer, run_config, sources, references) -> None:
     from flaxformer_lite.translate import scoring
 
-    max_target_len = run_config["data"]["max_target_len"]
+    max_target_len = run_config.data.max_target_len
     targets = scoring.tokenize_targets(
         tokenizer, references, max_target_len, strict=o.strict, oov=sources.oov
     )

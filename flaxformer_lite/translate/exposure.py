@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.evaluation import exposure_bias, exposure_probe
 from flaxformer_lite.models import predict
 from flaxformer_lite.translate import runner, scoring
@@ -46,7 +47,7 @@ def check_options(o) -> None:
 def tokenize_references(
     tokenizer,
     references: Sequence[str],
-    run_config: dict,
+    run_config: RunConfig,
     *,
     strict: bool = False,
     log: Callable[[str], None] = lambda s: None,
@@ -58,7 +59,7 @@ def tokenize_references(
     Raises:
       InputError: `strict` and a reference longer than the model's target length.
     """
-    max_target_len = run_config["data"]["max_target_len"]
+    max_target_len = run_config.data.max_target_len
     targets = scoring.tokenize_targets(
         tokenizer, references, max_target_len, strict=strict, oov=oov
     )
@@ -73,7 +74,7 @@ def tokenize_references(
 def report_lines(
     model,
     params,
-    run_config: dict,
+    run_config: RunConfig,
     sources: runner.Sources,
     targets: scoring.Targets,
     greedy_ids: Sequence[Sequence[int]],
@@ -95,7 +96,7 @@ def report_lines(
     """
     if search.method != "greedy":
         raise InputError("the exposure report compares greedy output: decode with --beam_size 1")
-    max_target_len = run_config["data"]["max_target_len"]
+    max_target_len = run_config.data.max_target_len
     probe = exposure_probe.Probe.for_search(model, search, target_vocab)
     source_lengths = [len(ids) for ids in sources.ids]
     rows = runner.batch_rows(source_lengths, batch_size)
@@ -103,7 +104,7 @@ def report_lines(
         source_lengths,
         [len(ids) for ids in targets.ids],
         rows,
-        runner.bucket_lengths(run_config["data"]["max_source_len"]),
+        runner.bucket_lengths(run_config.data.max_source_len),
         runner.bucket_lengths(max_target_len),
     )
     parts = []

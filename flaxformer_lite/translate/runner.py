@@ -23,11 +23,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.models import predict
-from flaxformer_lite.models.from_config import has_copy_head
 from flaxformer_lite.training import checkpoints
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, load_run_config
 from flaxformer_lite.translate.files import InputError
@@ -35,7 +35,7 @@ from flaxformer_lite.translate.files import InputError
 # Workdir and search settings.
 
 
-def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Vocabularies]:
+def open_workdir(workdir: str, step: str | int | None = None) -> tuple[RunConfig, Vocabularies]:
     """Checks a training workdir cheaply before the model is restored.
 
     Args:
@@ -43,7 +43,7 @@ def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Voc
         cheap (a number, "latest", "best"); "latest-good" is left to the restore,
         which reads the parameters anyway.
     Returns:
-      (run config dict, the run's source and target vocabularies).
+      (the run config it saved, the run's source and target vocabularies).
     Raises:
       WorkdirError / FileNotFoundError / StepSpecError / CheckpointIntegrityError
         whose messages name the fix.
@@ -75,8 +75,7 @@ def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Voc
             f"{e}; restore it, or rerun train.py --workdir {workdir} (the vocabulary is "
             "rebuilt deterministically from the training data)"
         ) from None
-    model = run_config.get("model", {})
-    want = (model.get("vocab_size"), model.get("target_vocab_size") or model.get("vocab_size"))
+    want = (run_config.model.vocab_size, run_config.model.output_vocab_size)
     have = (vocab.source.vocab_size, vocab.target.vocab_size)
     if have != want:
         raise WorkdirError(
@@ -88,7 +87,7 @@ def open_workdir(workdir: str, step: str | int | None = None) -> tuple[dict, Voc
 
 
 def make_search(
-    run_config: dict,
+    run_config: RunConfig,
     *,
     beam_size: int = 4,
     alpha: float = 0.6,
@@ -105,8 +104,8 @@ def make_search(
     Raises:
       InputError: inconsistent or out-of-range settings.
     """
-    max_len = run_config["data"]["max_target_len"] if max_len is None else max_len
-    model = run_config["model"]
+    max_len = run_config.data.max_target_len if max_len is None else max_len
+    model = run_config.model
     if temperature < 0 or alpha < 0 or beam_size < 1 or nbest < 1 or top_k < 0:
         raise InputError("need --temperature, --alpha, --top_k >= 0 and --beam_size, --nbest >= 1")
     if not 0 < top_p <= 1:
@@ -114,8 +113,8 @@ def make_search(
     if max_len < 1 or not 0 <= min_len < max_len:
         raise InputError(f"need --max_len >= 1 and 0 <= --min_len < --max_len, got {max_len}")
     # Learned position tables end at model.max_len; sinusoids have no limit.
-    if model.get("positions") == "learned" and max_len > model["max_len"]:
-        raise InputError(f"--max_len {max_len} exceeds the model's {model['max_len']} positions")
+    if model.positions == "learned" and max_len > model.max_len:
+        raise InputError(f"--max_len {max_len} exceeds the model's {model.max_len} positions")
     if temperature > 0:
         method = "sample"
     else:
@@ -142,7 +141,7 @@ def make_search(
 
 
 def make_nat_search(
-    run_config: dict,
+    run_config: RunConfig,
     *,
     iterations: int | None = None,
     length_beam: int | None = None,
@@ -159,10 +158,10 @@ def make_nat_search(
     """
     from flaxformer_lite.models.non_autoregressive import NATSearch
 
-    nat = run_config["nat"]
-    iterations = nat.get("iterations", 10) if iterations is None else iterations
-    length_beam = nat.get("length_beam", 1) if length_beam is None else length_beam
-    max_len = run_config["data"]["max_target_len"] if max_len is None else max_len
+    nat = run_config.nat
+    iterations = nat.iterations if iterations is None else iterations
+    length_beam = nat.length_beam if length_beam is None else length_beam
+    max_len = run_config.data.max_target_len if max_len is None else max_len
     if iterations < 1 or length_beam < 1:
         raise InputError(
             f"need --iterations >= 1 and --length_beam >= 1, got {iterations}, {length_beam}"
@@ -171,15 +170,15 @@ def make_nat_search(
         raise InputError(f"need --length_scale > 0, got {length_scale}")
     if max_len < 2:
         raise InputError(f"need --max_len >= 2 (a token and EOS), got {max_len}")
-    model = run_config["model"]
-    if model.get("positions") == "learned" and max_len > model["max_len"]:
-        raise InputError(f"--max_len {max_len} exceeds the model's {model['max_len']} positions")
-    if nat.get("length_mode", "predict") == "fixed" and length_scale != 1.0:
+    model = run_config.model
+    if model.positions == "learned" and max_len > model.max_len:
+        raise InputError(f"--max_len {max_len} exceeds the model's {model.max_len} positions")
+    if nat.length_mode == "fixed" and length_scale != 1.0:
         raise InputError(
             f"--length_scale {length_scale} scales predicted lengths, but this model decodes a "
             "fixed length (nat.length_mode='fixed') and ends at its first EOS; drop --length_scale"
         )
-    if nat.get("length_mode", "predict") == "fixed" and length_beam > 1:
+    if nat.length_mode == "fixed" and length_beam > 1:
         raise InputError(
             f"--length_beam {length_beam}: this model decodes a fixed length (nat.length_mode="
             "'fixed'), one candidate per input; drop --length_beam"
@@ -266,7 +265,7 @@ def tokenize_lines(
     return out
 
 
-def features_of_lines(lines: Sequence[str], run_config: dict, max_source_len: int) -> Sources:
+def features_of_lines(lines: Sequence[str], run_config: RunConfig, max_source_len: int) -> Sources:
     """A speech workdir's input: each line is a WAV path, read into the features training
     used (`audio_features.speech_features` with the run's `data.num_mels`), at most
     `max_source_len` frames (longer ones are cut, and counted). Blank lines are not decoded.
@@ -278,7 +277,7 @@ def features_of_lines(lines: Sequence[str], run_config: dict, max_source_len: in
     """
     from flaxformer_lite.data import audio_features
 
-    num_mels = int(run_config["data"]["num_mels"])
+    num_mels = run_config.data.num_mels
     out = Sources(ids=[])
     for number, line in enumerate(lines, start=1):
         path = line.strip()
@@ -296,9 +295,9 @@ def features_of_lines(lines: Sequence[str], run_config: dict, max_source_len: in
     return out
 
 
-def is_speech(run_config: dict) -> bool:
+def is_speech(run_config: RunConfig) -> bool:
     """Whether a workdir's encoder reads speech features (its input lines are WAV paths)."""
-    return bool(run_config["model"].get("input_features"))
+    return bool(run_config.model.input_features)
 
 
 def too_long_error(numbers: list[int], what: str, max_len: int, side: str) -> InputError:
@@ -415,7 +414,7 @@ def decode_lines(
     model,
     params,
     tokenizer: Tokenizer | Vocabularies,
-    run_config: dict,
+    run_config: RunConfig,
     lines: Sequence[str] | Sources,
     *,
     search: predict.SearchConfig,
@@ -439,10 +438,10 @@ def decode_lines(
     """
 
     target_vocab = Vocabularies.of(tokenizer).target
-    max_source_len = run_config["data"]["max_source_len"]
+    max_source_len = run_config.data.max_source_len
     sources = lines
     if not isinstance(lines, Sources):
-        copy_head = has_copy_head(run_config)  # its extended ids, as in training
+        copy_head = run_config.copy is not None  # its extended ids, as in training
         sources = tokenize_lines(
             tokenizer, lines, max_source_len, strict=strict, extended=copy_head
         )

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.translate import runner
@@ -123,7 +124,7 @@ class ScoreResult:
 def score_lines(
     model,
     params,
-    run_config: dict,
+    run_config: RunConfig,
     sources: runner.Sources,
     targets: Targets,
     *,
@@ -150,8 +151,8 @@ def score_lines(
         source_lengths,
         target_lengths,
         rows,
-        runner.bucket_lengths(run_config["data"]["max_source_len"]),
-        runner.bucket_lengths(run_config["data"]["max_target_len"]),
+        runner.bucket_lengths(run_config.data.max_source_len),
+        runner.bucket_lengths(run_config.data.max_target_len),
     )
     result = ScoreResult([None] * len(source_lengths), [[] for _ in source_lengths], set())
     bar = runner.progress_bar(live, "score", progress)

@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT
 
 from configs import default
-from flaxformer_lite import run_config
-from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config import ConfigError, sections
+from flaxformer_lite.config import run as run_config
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.training import checkpoints, load_state
 from flaxformer_lite.training.state import param_shapes
@@ -39,15 +39,15 @@ def check_refused(changes: dict, words: str, base=default.get_config):
 
 
 ENUMS = [
-    ("data.batching", run_config.BATCHINGS),
-    ("data.vocab_model_type", run_config.VOCAB_MODEL_TYPES),
-    ("train.eval_search", run_config.EVAL_SEARCHES),
-    ("optim.schedule", run_config.SCHEDULES),
+    ("data.batching", sections.BATCHINGS),
+    ("data.vocab_model_type", sections.VOCAB_MODEL_TYPES),
+    ("train.eval_search", sections.EVAL_SEARCHES),
+    ("optim.schedule", sections.SCHEDULES),
     ("model.positions", ("sinusoidal", "learned", "none")),
     ("model.norm", ("post", "pre")),
     ("model.activation", ("relu", "gelu")),
     ("model.attention_impl", ("auto", "vmap", "fast")),  # cudnn, splash: a GPU, a TPU
-    ("optim.state_dtype", run_config.STATE_DTYPES),
+    ("optim.state_dtype", sections.STATE_DTYPES),
     ("model.dropout_rng", ("hash", "threefry")),
 ]
 
@@ -206,7 +206,8 @@ PARAMETER_COUNTS = {
 def _parameter_count(config) -> int:
     from flaxformer_lite.tools import dry_run
 
-    return sum(row[2] for row in dry_run.parameter_table(dry_run.abstract_params(config)))
+    params = dry_run.abstract_params(run_config.parse(config))
+    return sum(row[2] for row in dry_run.parameter_table(params))
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
@@ -277,11 +278,9 @@ def test_bad_eval_search_fails_before_any_data(tmp_path):
 
 
 def _claim(workdir, **changes):
-    config = with_changes(changes)
-    model = run_config.planned_model_config(config)
-    saved = run_config.to_saved_dict(config, model)
-    shapes = param_shapes(AutoregressiveModel(model))
-    return claim_workdir(str(workdir), saved, shapes, load_state.saved_param_shapes)
+    run = run_config.parse(with_changes(changes))
+    shapes = param_shapes(AutoregressiveModel(run.model))
+    return claim_workdir(str(workdir), run, shapes, load_state.saved_param_shapes)
 
 
 def test_same_shapes_resume(tmp_path):

@@ -8,6 +8,7 @@ import jax
 import pytest
 from conftest import ROOT, tiny_config
 
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.translate import files, reports, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -33,7 +34,7 @@ def workdir(tfds_dir, tmp_path_factory):
     from flaxformer_lite.training import loop
 
     path = str(tmp_path_factory.mktemp("decode") / "run")
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=60), path, log=lambda s: None)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=60)), path, log=lambda s: None)
     return path
 
 
@@ -90,7 +91,8 @@ def test_format_line_keeps_one_line_per_input():
 
 
 def test_make_search_methods_and_errors():
-    rc = {"data": {"max_target_len": 16}, "model": {"positions": "sinusoidal", "max_len": 64}}
+    rc = parse(tiny_config("/nonexistent"))
+    assert (rc.data.max_target_len, rc.model.positions) == (16, "sinusoidal")
     assert runner.make_search(rc).method == "beam"
     assert runner.make_search(rc, beam_size=1).method == "greedy"
     sample = runner.make_search(rc, temperature=0.7, top_k=5)
@@ -132,7 +134,7 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     assert all(result.hypotheses[i] for i in (0, 2, 3, 4, 6))
     assert result.sources.num_empty == 2 and result.sources.num_truncated == 1
     assert result.sources.num_unknown >= 1  # U+FFFD is not in the vocabulary
-    assert len(result.sources.ids[3]) == run_config["data"]["max_source_len"]
+    assert len(result.sources.ids[3]) == run_config.data.max_source_len
     assert result.sources.ids[3][-1] == runner.EOS_ID
     with pytest.raises(files.InputError, match=r"\(line 4\)"):
         runner.decode_lines(
@@ -164,7 +166,7 @@ def test_order_preserved_and_compilations_bounded(loaded, no_compilation_cache):
         )
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    buckets = runner.bucket_lengths(run_config["data"]["max_source_len"])
+    buckets = runner.bucket_lengths(run_config.data.max_source_len)
     assert {length for _, length in together.batch_shapes} == set(buckets)
     assert len(together.batch_shapes) <= len(buckets)
     # Exactly one compilation per distinct batch shape: none wasted, and the count

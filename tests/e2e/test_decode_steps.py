@@ -11,6 +11,7 @@ import pytest
 from conftest import tiny_config
 from test_decode_cli import run_decode
 
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import checkpoints, restore
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
@@ -61,7 +62,7 @@ def workdir(tfds_dir, tmp_path_factory):
     from flaxformer_lite.training import loop
 
     path = str(tmp_path_factory.mktemp("steps") / "run")
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), path, log=lambda s: None)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=20)), path, log=lambda s: None)
     for step, loss in LOSSES.items():
         edit_meta(path, step, with_metrics({"loss": loss, "bleu": loss * 10}))
     return path

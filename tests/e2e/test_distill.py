@@ -7,6 +7,7 @@ that run exercises a parallel_text teacher through the command line.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -14,13 +15,15 @@ import shutil
 import subprocess
 import sys
 
-import ml_collections
 import pytest
 from conftest import ROOT, tiny_config
 
 from flaxformer_lite import datasets
-from flaxformer_lite import run_config as run_config_lib
+from flaxformer_lite.config import run as run_config_lib
+from flaxformer_lite.config import sections
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.data import common
+from flaxformer_lite.models import from_config
 from flaxformer_lite.tools import distill
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
 from flaxformer_lite.translate import files, runner
@@ -40,8 +43,7 @@ def read(path):
 
 
 def data_splits(workdir):
-    config = ml_collections.ConfigDict(load_run_config(workdir))
-    return datasets.load_splits(run_config_lib.parse(config).data)
+    return datasets.load_splits(load_run_config(workdir).data)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def workdir(tfds_dir, tmp_path_factory):
     config = tiny_config(tfds_dir, num_steps=30)
     config.data.shape_balance = 0.7  # repeats the rarer shapes: training sources recur
     path = str(tmp_path_factory.mktemp("distill") / "run")
-    loop.train_and_evaluate(config, path, log=lambda s: None)
+    loop.train_and_evaluate(parse(config), path, log=lambda s: None)
     return path
 
 
@@ -81,11 +83,10 @@ def distilled(workdir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(workdir):
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import command
 
     run_config, tokenizer = runner.open_workdir(workdir)
     params, _ = restore.restore_params(workdir)
-    return command.build_model(run_config), params, tokenizer, run_config
+    return from_config.build_model(run_config), params, tokenizer, run_config
 
 
 # ----------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def test_each_distinct_source_is_decoded_once(distilled, splits, loaded):
     distinct = list(dict.fromkeys(sources))
     assert len(distinct) < len(sources)  # the shape balance repeats pairs
     assert manifest["num_distinct_sources"] == len(distinct)
-    want = runner.tokenize_lines(tokenizer, distinct, run_config["data"]["max_source_len"])
+    want = runner.tokenize_lines(tokenizer, distinct, run_config.data.max_source_len)
     assert calls == [want.ids]
 
 
@@ -240,9 +241,9 @@ def test_missing_workdir_or_checkpoint_is_refused_before_writing(workdir, tmp_pa
 
 
 def test_languages_and_flags():
-    data = run_config_lib.DataConfig(dataset="parallel_text", source_lang="en", target_lang="de")
+    data = sections.DataConfig(dataset="parallel_text", source_lang="en", target_lang="de")
     assert distill.languages(data) == ("en", "de")
-    assert distill.languages(run_config_lib.DataConfig()) == ("src", "tgt")
+    assert distill.languages(sections.DataConfig()) == ("src", "tgt")
     flags = distill.train_flags("/c d/kd", ("en", "de"), {"validation": "val"})
     assert flags[-1] == "--config.data.split_names={'validation': 'val'}"
     assert shlex.split(distill.shell_line(flags)) == flags
@@ -277,8 +278,8 @@ def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
         "--config.train.tensorboard=False",
     )
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    data = load_run_config(student)["data"]
-    assert (data["dataset"], data["corpus_dir"]) == ("parallel_text", str(out))
+    data = load_run_config(student).data
+    assert (data.dataset, data.corpus_dir) == ("parallel_text", str(out))
     splits = data_splits(student)
     pairs = [p for p in zip(read(out / "train.src"), read(out / "train.tgt")) if all(p)]
     assert common.texts(splits["train"], "target") == [t for _, t in pairs]
@@ -300,9 +301,14 @@ def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
 
 def test_a_relative_corpus_dir_names_where_to_run(workdir, monkeypatch, tmp_path):
     run_config = load_run_config(workdir)
-    run_config["data"].update(
-        dataset="parallel_text", corpus_dir="corpora/m30k", source_lang="en", target_lang="de"
+    data = dataclasses.replace(
+        run_config.data,
+        dataset="parallel_text",
+        corpus_dir="corpora/m30k",
+        source_lang="en",
+        target_lang="de",
     )
+    run_config = dataclasses.replace(run_config, data=data)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(files.InputError, match="run distill.py from the directory train.py ran"):
         distill.teacher_data(run_config)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config
 
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import checkpoints, load_state, loop, restore
 from flaxformer_lite.training.nonfinite import NonFiniteError
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR
@@ -39,7 +40,7 @@ def _steps(workdir):
 def trained(tfds_dir, tmp_path_factory):
     """The tiny run trained to step 20 once, checkpoints at 10 and 20; tests copy it."""
     path = str(tmp_path_factory.mktemp("faults") / "run")
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), path, log=quiet)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=20)), path, log=quiet)
     return path
 
 
@@ -67,7 +68,9 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_newest_good_one(trained, 
     workdir = _copy(trained, tmp_path)
     _flip_bytes(workdir, 20)
     messages = []
-    results = loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), workdir, messages.append)
+    results = loop.train_and_evaluate(
+        parse(tiny_config(tfds_dir, num_steps=20)), workdir, messages.append
+    )
     assert any("checkpoint 20" in m and "unusable" in m for m in messages), messages
     assert any("resumed from step 10" in m for m in messages), messages
     assert results["step"] == 20 and _steps(workdir)[-1] == 20  # step 20 trained again
@@ -86,7 +89,7 @@ def test_nonfinite_loss_stops_without_a_nonfinite_checkpoint(trained, tfds_dir, 
     config = tiny_config(tfds_dir, num_steps=40, checkpoint_every=2)
     config.optim.learning_rate = 1e9
     with pytest.raises(NonFiniteError, match=r"not finite at step (\d+); training stopped") as e:
-        loop.train_and_evaluate(config, workdir, log=quiet)
+        loop.train_and_evaluate(parse(config), workdir, log=quiet)
     assert "\n" not in str(e.value)
     bad = int(str(e.value).split("at step ")[1].split(";")[0])
     steps = _steps(workdir)
@@ -98,7 +101,7 @@ def test_nonfinite_loss_stops_without_a_nonfinite_checkpoint(trained, tfds_dir, 
     config.train.nonfinite, config.train.nonfinite_max_skips = "skip", 3
     messages = []
     with pytest.raises(NonFiniteError, match="3 steps in a row were not finite"):
-        loop.train_and_evaluate(config, workdir, log=messages.append)
+        loop.train_and_evaluate(parse(config), workdir, log=messages.append)
     assert sum("update skipped" in m for m in messages) == 3, messages
 
 
@@ -124,7 +127,7 @@ def test_sigterm_during_the_final_evaluation_stops_it_between_batches(
     messages = []
     config = tiny_config(tfds_dir, num_steps=22, eval_batch_size=4)
     with pytest.raises(Preempted) as e:
-        loop.train_and_evaluate(config, workdir, log=messages.append)
+        loop.train_and_evaluate(parse(config), workdir, log=messages.append)
     assert (
         str(e.value) == "preempted at step 22; checkpoint saved; rerun the same command to resume"
     )
@@ -150,7 +153,7 @@ def test_early_stopping_keeps_the_best_checkpoint(tfds_dir, tmp_path):
     # The first evaluations, still in the warm-up, get no sentence right: after the first
     # one (the best so far) two more without a better score end the run.
     messages = []
-    results = loop.train_and_evaluate(config, workdir, log=messages.append)
+    results = loop.train_and_evaluate(parse(config), workdir, log=messages.append)
     matches = {}
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         for r in map(json.loads, f):
@@ -169,7 +172,7 @@ def test_early_stopping_keeps_the_best_checkpoint(tfds_dir, tmp_path):
     assert restore.resolve_step(workdir, "best") == 2
     # A rerun has nothing left to train: it stops again at once and evaluates.
     messages = []
-    again = loop.train_and_evaluate(config, workdir, log=messages.append)
+    again = loop.train_and_evaluate(parse(config), workdir, log=messages.append)
     assert again["step"] == 6 and any(m.startswith("early stop at step 6") for m in messages)
 
 
@@ -213,7 +216,7 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
         # No metrics record between the two saves: the save is what meets the full disk.
         config = tiny_config(tfds_dir, num_steps=30, checkpoint_every=5, log_every=100)
         with pytest.raises(checkpoints.CheckpointWriteError) as e:
-            loop.train_and_evaluate(config, workdir, log=quiet)
+            loop.train_and_evaluate(parse(config), workdir, log=quiet)
         assert "\n" not in str(e.value), str(e.value)
         assert "checkpoint 30" in str(e.value) and "(step 25) is kept" in str(e.value)
         assert "No space left on device" in str(e.value)
@@ -299,10 +302,10 @@ def test_sigterm_then_rerun_ends_like_an_uninterrupted_run(tfds_dir, tmp_path):
     config = tiny_config(tfds_dir, num_steps=step + 4, checkpoint_every=0, log_every=1)
     config.model.dropout_rate = 0.1
     messages = []
-    loop.train_and_evaluate(config, str(workdir), log=messages.append)
+    loop.train_and_evaluate(parse(config), str(workdir), log=messages.append)
     assert any(f"resumed from step {step}" in m for m in messages), messages
     straight = str(tmp_path / "straight")
-    loop.train_and_evaluate(config, straight, log=quiet)
+    loop.train_and_evaluate(parse(config), straight, log=quiet)
     _, a, _, _ = load_state.restore_trained(straight)
     _, b, _, _ = load_state.restore_trained(str(workdir))
     for x, y in zip(_leaves(a), _leaves(b)):
@@ -313,6 +316,7 @@ HANG = """
 import sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + "/tests")
 from conftest import tiny_config
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import load_state, loop, step as step_lib
 
 put = step_lib.device_batch
@@ -330,7 +334,7 @@ def device_batch(batch, mesh):
 step_lib.device_batch = device_batch
 config = tiny_config({tfds!r}, num_steps=40, checkpoint_every=0, log_every=1)
 config.train.hang_factor, config.train.hang_min_seconds = 5.0, 3.0
-loop.train_and_evaluate(config, {workdir!r}, log=print)
+loop.train_and_evaluate(parse(config), {workdir!r}, log=print)
 """
 
 

@@ -24,6 +24,8 @@ from conftest import ROOT, tiny_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from flaxformer_lite.config.run import parse
+from flaxformer_lite.models import from_config
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
 from flaxformer_lite.translate import command, files, runner
 
@@ -116,7 +118,7 @@ def workdir(tfds_dir, tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("hostile") / "run")
     config = tiny_config(tfds_dir, num_steps=4, checkpoint_every=2, num_examples_to_print=0)
-    loop.train_and_evaluate(config, path, log=lambda s: None)
+    loop.train_and_evaluate(parse(config), path, log=lambda s: None)
     return path
 
 
@@ -126,7 +128,7 @@ def loaded(workdir):
 
     run_config, vocab = runner.open_workdir(workdir)
     params, _ = restore.restore_params(workdir)
-    return command.build_model(run_config), params, vocab, run_config
+    return from_config.build_model(run_config), params, vocab, run_config
 
 
 def decode_file(workdir: str, data: bytes, directory: str, params=None):
@@ -188,7 +190,7 @@ def check_decoded(data, output, messages, vocab, run_config, decode_alone) -> No
     assert lines == [r.decode("utf-8", "replace").replace("\0", "\ufffd") for r in raw]
     assert num_bad == sum(b"\0" in r or not is_utf8(r) for r in raw)
     assert warning_count(messages, "invalid UTF-8 or NUL bytes") == num_bad
-    max_len = run_config["data"]["max_source_len"]
+    max_len = run_config.data.max_source_len
     too_long = sum(bool(t.strip()) and len(vocab.source.encode(t)) >= max_len for t in lines)
     assert warning_count(messages, "were truncated") == too_long
     for line, got in zip(lines, outputs, strict=True):
@@ -236,7 +238,7 @@ def test_any_bytes_give_one_output_line_per_input_line(
     _, params, vocab, run_config = loaded
     output, messages = decode_file(workdir, data, scratch, params)
     check_decoded(data, output, messages, vocab, run_config, decode_alone)
-    buckets = runner.bucket_lengths(run_config["data"]["max_source_len"])
+    buckets = runner.bucket_lengths(run_config.data.max_source_len)
     assert len(compilations) <= 2 * len(buckets)
 
 
@@ -337,7 +339,7 @@ def test_loading_a_workdir_never_unpickles(workdir, tmp_path, monkeypatch):
         # And everything decode.py reads, through to a decoded line.
         output, messages = decode_file(workdir, b"en 12\n", str(tmp_path))
     assert attempts == []
-    assert run_config["model"]["vocab_size"] == vocab.source.vocab_size
+    assert run_config.model.vocab_size == vocab.source.vocab_size
     assert output.count(b"\n") == 1 and output != b"\n", messages
     for a, b, c in zip(*map(jax.tree.leaves, (state.params, params, averaged))):
         np.testing.assert_array_equal(a, b)

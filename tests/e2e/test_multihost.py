@@ -22,8 +22,9 @@ import pytest
 from conftest import ROOT, assert_params_close, tiny_config, without_compilation_cache
 from test_sharding import _train
 
-from flaxformer_lite import datasets, run_config
+from flaxformer_lite import datasets
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config import run as run_config
 from flaxformer_lite.data import numbers, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.parallel import distributed
@@ -44,6 +45,7 @@ distributed.initialize_distributed(
 import jax
 import numpy as np
 from conftest import tiny_config
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import load_state, loop
 assert jax.device_count() == {processes} * {local}, jax.devices()
 {body}
@@ -53,7 +55,7 @@ assert jax.device_count() == {processes} * {local}, jax.devices()
 TRAIN = """
 import json
 config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8, exposure_report=True)
-results = loop.train_and_evaluate(config, {workdir!r}, log=print)
+results = loop.train_and_evaluate(parse(config), {workdir!r}, log=print)
 with open(f"{out}.{{jax.process_index()}}.json", "w") as f:
     json.dump(results, f)
 _, state, _, _ = load_state.restore_trained({workdir!r})

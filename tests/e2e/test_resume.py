@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import load_state, loop
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
@@ -33,13 +34,13 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path, batching):
     """One uninterrupted run, checkpointed at STOP and STEPS; a copy of it with the
     last checkpoint removed is resumed from STOP, which must reproduce it exactly."""
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    loop.train_and_evaluate(_config(tfds_dir, batching, STEPS), straight, log=lambda s: None)
+    loop.train_and_evaluate(parse(_config(tfds_dir, batching, STEPS)), straight, log=lambda s: None)
     shutil.copytree(straight, resumed)
     shutil.rmtree(os.path.join(resumed, CHECKPOINT_DIR, str(STEPS)))
     with open(os.path.join(resumed, "metrics.jsonl"), "w"):
         pass  # the continuation's records alone
     messages = []
-    loop.train_and_evaluate(_config(tfds_dir, batching, STEPS), resumed, log=messages.append)
+    loop.train_and_evaluate(parse(_config(tfds_dir, batching, STEPS)), resumed, log=messages.append)
     assert any(f"resumed from step {STOP}" in m for m in messages), messages
     assert any(f"train batches: {batching}" in m for m in messages), messages
 

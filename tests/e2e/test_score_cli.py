@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config
 
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.constants import EOS_ID
+from flaxformer_lite.models import from_config
 from flaxformer_lite.translate import files, scoring
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -32,7 +34,7 @@ def workdir(tfds_dir, tmp_path_factory):
     from flaxformer_lite.training import loop
 
     path = str(tmp_path_factory.mktemp("score") / "run")
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=60), path, log=lambda s: None)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=60)), path, log=lambda s: None)
     return path
 
 
@@ -81,11 +83,11 @@ def test_cli_scores_one_line_per_input(workdir, tmp_path):
 
 def test_score_is_beam_search_logprob_without_length_penalty(workdir, tmp_path):
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import command, runner
+    from flaxformer_lite.translate import runner
 
     params, run_config = restore.restore_params(workdir)
     _, vocab = runner.open_workdir(workdir)
-    model = command.build_model(run_config)
+    model = from_config.build_model(run_config)
     sources = [f"{'en' if i % 2 else 'de'} {7 * i + 3}" for i in range(12)]
     search = runner.make_search(run_config, beam_size=4, alpha=0.0)
     decoded = runner.decode_lines(model, params, vocab, run_config, sources, search=search)

@@ -16,17 +16,18 @@ import numpy as np
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {root!r} + "/tests")
 from conftest import tiny_config
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.parallel import partitioning
 from flaxformer_lite.training import load_state, loop, optim, state as state_lib
 assert jax.device_count() == {devices}, jax.devices()
 config = tiny_config({tfds!r}, num_steps=8, checkpoint_every=8)
 config.mesh.fsdp, config.mesh.model = {fsdp}, {model}
-loop.train_and_evaluate(config, {workdir!r}, log=lambda s: None)
+loop.train_and_evaluate(parse(config), {workdir!r}, log=lambda s: None)
 # The layout training used: a feed-forward kernel [D, F] is split as declared.
 model, _, _, _ = load_state.restore_trained({workdir!r})
-abstract = state_lib.abstract_state(model, optim.from_config(config, model.config)[1],
-                                    0, 10, 16)
-shardings = partitioning.logical_shardings(abstract, partitioning.mesh_from_config(config))
+run = parse(config)
+abstract = state_lib.abstract_state(model, optim.of_run(run)[1], 0, 10, 16)
+shardings = partitioning.logical_shardings(abstract, partitioning.mesh_from_config(run.mesh))
 kernel = shardings.params["encoder"]["layer_0"]["ffn"]["wi"]["kernel"]
 assert kernel.shard_shape((32, 64)) == (32 // {fsdp}, 64 // {model}), kernel
 _, state, _, _ = load_state.restore_trained({workdir!r})

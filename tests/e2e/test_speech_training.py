@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 
 from configs import spoken_numbers
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.data import speech_synthesis
 from flaxformer_lite.data.common import texts
 from flaxformer_lite.data.tokenizer import Vocabularies
+from flaxformer_lite.models import from_config
 from flaxformer_lite.training import loop
+from flaxformer_lite.training.workdir import load_run_config
 
 
 def _tiny(tfds_dir, synthesizer, target="digits"):
@@ -40,7 +43,7 @@ def tone_run(tmp_path_factory):
     logs = []
     config = _tiny(tmp / "tfds", "tones")
     workdir = str(tmp / "run")
-    results = loop.train_and_evaluate(config, workdir, log=logs.append)
+    results = loop.train_and_evaluate(parse(config), workdir, log=logs.append)
     return config, workdir, results, logs
 
 
@@ -70,9 +73,10 @@ def test_two_steps_on_espeak_speech(tmp_path):
     config = _tiny(tmp_path / "tfds", "espeak", target="words")
     config.data.max_source_len, config.data.max_tokens = 256, 2048
     config.data.max_target_len, config.data.vocab_size = 16, 40
-    results = loop.train_and_evaluate(config, str(tmp_path / "run"), log=logs.append)
+    results = loop.train_and_evaluate(parse(config), str(tmp_path / "run"), log=logs.append)
     assert results["step"] == 2 and results["test_wer"] >= 0
-    from flaxformer_lite import datasets, run_config
+    from flaxformer_lite import datasets
+    from flaxformer_lite.config import run as run_config
 
     splits = datasets.load_splits(run_config.parse(config).data)
     assert texts(splits["test"], "target")[0].replace("-", " ").split()[0].isalpha()
@@ -118,8 +122,7 @@ def test_decode_reads_wav_files_as_training_reads_features(tone_run, tmp_path):
         split, vocab, batch_size=4, max_source_len=d.max_source_len, max_target_len=8
     )
     params, _ = restore.restore_params(workdir, None)
-    with open(os.path.join(workdir, "run_config.json")) as f:
-        model = command.build_model(json.load(f))
+    model = from_config.build_model(load_run_config(workdir))
     batch = {k: jax.numpy.asarray(v) for k, v in batches[0].items()}
     tokens, _ = model.predict(params, batch, SearchConfig("greedy", d.max_target_len))
     expected = vocab.target.decode_batch(np.asarray(tokens[:3, 0]))

@@ -9,6 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import tiny_config
 
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import checkpoints, load_state, loop
 from flaxformer_lite.training.checkpoints import CheckpointIntegrityError
 from flaxformer_lite.training.workdir import WorkdirError
@@ -23,7 +24,7 @@ def test_tiny_config_learns(tfds_dir, tmp_path):
     config = tiny_config(tfds_dir, num_steps=300, log_every=25, exposure_report=True)
     config.optim.learning_rate = 5e-3
     logs = []
-    results = loop.train_and_evaluate(config, str(tmp_path / "run"), log=logs.append)
+    results = loop.train_and_evaluate(parse(config), str(tmp_path / "run"), log=logs.append)
     records = _train_records(tmp_path / "run")
     first, last = records[0]["nll"], records[-1]["nll"]
     assert last < 0.25 * first, (first, last)
@@ -49,10 +50,12 @@ def test_tiny_config_learns(tfds_dir, tmp_path):
 def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     quiet = lambda s: None  # noqa: E731
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), straight, log=quiet)
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), resumed, log=quiet)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=20)), straight, log=quiet)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=10)), resumed, log=quiet)
     messages = []
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), resumed, log=messages.append)
+    loop.train_and_evaluate(
+        parse(tiny_config(tfds_dir, num_steps=20)), resumed, log=messages.append
+    )
     assert any("resumed from step 10" in m for m in messages)
 
     _, a, _, _ = load_state.restore_trained(straight)
@@ -71,7 +74,7 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
 def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
     quiet = lambda s: None  # noqa: E731
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=quiet)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=10)), workdir, log=quiet)
     ckpt = checkpoints.Checkpointer(workdir, keep=5, save_every=0)
     data = ckpt.read_meta(10)["data"]
     ckpt.close()
@@ -80,7 +83,7 @@ def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
     # Resuming with batches of another size is allowed, with a warning saying what changed.
     messages = []
     loop.train_and_evaluate(
-        tiny_config(tfds_dir, num_steps=12, batch_size=32), workdir, log=messages.append
+        parse(tiny_config(tfds_dir, num_steps=12, batch_size=32)), workdir, log=messages.append
     )
     warnings = [m for m in messages if m.startswith("warning: the training data changed")]
     assert len(warnings) == 1 and "batch_size: 16 -> 32" in warnings[0], messages
@@ -88,12 +91,12 @@ def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
 
 def test_workdir_with_other_model_is_refused_and_kept(tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=10), workdir, log=lambda s: None)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=10)), workdir, log=lambda s: None)
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
     other = tiny_config(tfds_dir, num_steps=20)
     other.model.d_ff = 128
     with pytest.raises(WorkdirError, match="d_ff"):
-        loop.train_and_evaluate(other, workdir, log=lambda s: None)
+        loop.train_and_evaluate(parse(other), workdir, log=lambda s: None)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
 
 
@@ -102,13 +105,13 @@ def test_foreign_directory_is_refused(tfds_dir, tmp_path):
     workdir.mkdir()
     (workdir / "notes.txt").write_text("precious")
     with pytest.raises(WorkdirError, match="not empty"):
-        loop.train_and_evaluate(tiny_config(tfds_dir), str(workdir), log=lambda s: None)
+        loop.train_and_evaluate(parse(tiny_config(tfds_dir)), str(workdir), log=lambda s: None)
     assert (workdir / "notes.txt").read_text() == "precious"
     assert sorted(os.listdir(workdir)) == ["notes.txt"]
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(WorkdirError, match="is a file"):
-        loop.train_and_evaluate(tiny_config(tfds_dir), str(a_file), log=lambda s: None)
+        loop.train_and_evaluate(parse(tiny_config(tfds_dir)), str(a_file), log=lambda s: None)
 
 
 def test_corrupted_checkpoint_is_detected(tmp_path):
@@ -164,7 +167,7 @@ def test_local_corpus_with_bucketed_or_packed_batches(tfds_dir, tmp_path, monkey
     d.batching, d.max_tokens = batching, 64
     messages = []
     workdir = str(tmp_path / "run")
-    results = loop.train_and_evaluate(config, workdir, log=messages.append)
+    results = loop.train_and_evaluate(parse(config), workdir, log=messages.append)
     assert results["step"] == 40
     assert "test_loss" not in results  # the corpus has no test split
     assert any(f"train batches: {batching}" in m for m in messages)

@@ -7,8 +7,9 @@ import re
 import pytest
 
 from configs import names as names_config
-from flaxformer_lite import datasets, run_config
+from flaxformer_lite import datasets
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config import run as run_config
 from flaxformer_lite.data import batching, names
 from flaxformer_lite.data.tokenizer import UNK_ID, Tokenizer
 from flaxformer_lite.evaluation.copy_spans import copy_scores, verbatim_copies, words

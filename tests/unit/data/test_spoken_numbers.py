@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from flaxformer_lite import datasets, run_config
+from flaxformer_lite import datasets
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config import run as run_config
 from flaxformer_lite.data import speech_synthesis
 from flaxformer_lite.data import spoken_numbers as sn
 

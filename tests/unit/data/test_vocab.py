@@ -7,6 +7,7 @@ import pytest
 from conftest import tiny_config
 
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.data import batching
 from flaxformer_lite.data.tokenizer import (
     EOS_ID,
@@ -86,11 +87,11 @@ def test_shared_embeddings_with_separate_vocabularies_is_refused(tfds_dir, tmp_p
     config = _separate_config(tfds_dir)
     config.model.share_embeddings = True
     with pytest.raises(ConfigError, match="share_embeddings=False"):
-        loop.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
+        loop.train_and_evaluate(parse(config), str(tmp_path / "run"), log=lambda s: None)
     config = tiny_config(tfds_dir)
     config.data.target_vocab_size = 80
     with pytest.raises(ConfigError, match="shared_vocab=False"):
-        loop.train_and_evaluate(config, str(tmp_path / "run"), log=lambda s: None)
+        loop.train_and_evaluate(parse(config), str(tmp_path / "run"), log=lambda s: None)
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -100,7 +101,7 @@ def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path, mo
 
     workdir = str(tmp_path / "run")
     config = _separate_config(tfds_dir, num_steps=10, checkpoint_every=10)
-    results = loop.train_and_evaluate(config, workdir, log=lambda s: None)
+    results = loop.train_and_evaluate(parse(config), workdir, log=lambda s: None)
     assert results["step"] == 10
     assert {SOURCE_VOCAB_FILE, TARGET_VOCAB_FILE} <= set(os.listdir(workdir))
     assert SHARED_VOCAB_FILE not in os.listdir(workdir)
@@ -110,8 +111,8 @@ def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path, mo
     assert restored_vocab == vocab and not vocab.shared
     source_size, target_size = vocab.source.vocab_size, vocab.target.vocab_size
     assert source_size != target_size
-    assert run_config["model"]["vocab_size"] == source_size
-    assert run_config["model"]["target_vocab_size"] == target_size
+    assert run_config.model.vocab_size == source_size
+    assert run_config.model.target_vocab_size == target_size
     embeddings = state.params
     rows = model.config.padded  # the stored rows (`nn/vocab.py`)
     assert embeddings["source_embedding"]["embedding"].shape == (rows(source_size), 32)
@@ -147,4 +148,6 @@ def test_training_and_decoding_with_separate_vocabularies(tfds_dir, tmp_path, mo
 
     # The same workdir with a shared-vocabulary config is refused, not reinterpreted.
     with pytest.raises(ConfigError, match="separate vocabularies"):
-        loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), workdir, log=lambda s: None)
+        loop.train_and_evaluate(
+            parse(tiny_config(tfds_dir, num_steps=20)), workdir, log=lambda s: None
+        )

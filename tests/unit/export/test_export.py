@@ -7,6 +7,7 @@ separate vocabularies of different sizes, an untied output layer with its bias, 
 learned positions, d_kv, scanned layers). Skipped without the `export` extras.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config, tiny_model_config
 
+from flaxformer_lite.config.run import RunConfig, parse
+from flaxformer_lite.config.variants import CopyHead, NATConfig
 from flaxformer_lite.export import command, int8_check, layout, parity
+from flaxformer_lite.models import from_config
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -44,19 +48,18 @@ def workdir(tfds_dir, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("export") / "run")
     config = tiny_config(tfds_dir, num_steps=80, checkpoint_every=40)
     config.model.layer_norm_epsilon = 1e-5  # Marian's fixed epsilon: both engines apply
-    loop.train_and_evaluate(config, path, log=lambda s: None)
+    loop.train_and_evaluate(parse(config), path, log=lambda s: None)
     return path
 
 
 @pytest.fixture(scope="module")
 def trained(workdir):
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import command as decode_command
     from flaxformer_lite.translate import runner
 
     run_config, vocab = runner.open_workdir(workdir)
     params, _ = restore.restore_params(workdir)
-    return decode_command.build_model(run_config), params, vocab, run_config
+    return from_config.build_model(run_config), params, vocab, run_config
 
 
 def _export(workdir, to, out, *flags):
@@ -125,7 +128,7 @@ def test_ctranslate2_search_outputs_equal_ours(trained, ct2_dir, beam):
         [sp.encode(line, out_type=str) for line in LINES],
         beam_size=beam,
         length_penalty=0.0,
-        max_decoding_length=run_config["data"]["max_target_len"],
+        max_decoding_length=run_config.data.max_target_len,
     )
     theirs = [sp.decode(r.hypotheses[0]) for r in results]
     assert theirs == ours
@@ -352,7 +355,7 @@ def test_marian_export_end_to_end(workdir, trained, tmp_path):
     batch = tokenizer(LINES, return_tensors="pt", padding=True)
     for line, ids in zip(LINES, batch["input_ids"].tolist(), strict=True):
         assert [i for i in ids if i] == [*vocab.source.encode(line), 3]  # same ids as ours
-    max_len = run_config["data"]["max_target_len"]
+    max_len = run_config.data.max_target_len
     generated = marian.generate(**batch, num_beams=1, do_sample=False, max_new_tokens=max_len)
     theirs = tokenizer.batch_decode(generated, skip_special_tokens=True)
     search = runner.make_search(run_config, beam_size=1)
@@ -394,12 +397,16 @@ def test_refusals_are_one_line(workdir, ct2_dir, tmp_path):
     assert "already exists" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = _export(workdir, "ctranslate2", tmp_path / "q", "--quantization", "int3")
     assert proc.returncode == 2 and "int3" in proc.stderr and not os.path.exists(tmp_path / "q")
-    cfg = tiny_model_config()
-    for run_config, what in (({"nat": {}}, "nat"), ({"copy": {}}, "copy")):
+    plain = RunConfig(model=tiny_model_config())
+    for run_config, what in (
+        (dataclasses.replace(plain, nat=NATConfig()), "nat"),
+        (dataclasses.replace(plain, copy=CopyHead()), "copy"),
+    ):
         with pytest.raises(layout.ExportError, match=what):
-            layout.check_exportable(run_config, cfg, "CTranslate2")
+            layout.check_exportable(run_config, "CTranslate2")
+    features = RunConfig(model=tiny_model_config(input_features=8))
     with pytest.raises(layout.ExportError, match="input_features"):
-        layout.check_exportable({}, tiny_model_config(input_features=8), "CTranslate2")
+        layout.check_exportable(features, "CTranslate2")
 
 
 def test_compare_benchmark_times_every_engine_on_equal_work():

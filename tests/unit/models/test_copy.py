@@ -14,6 +14,9 @@ import pytest
 from flax.core import meta
 
 from flaxformer_lite.config import ConfigError, TransformerConfig
+from flaxformer_lite.config.run import RunConfig, parse
+from flaxformer_lite.config.sections import DataConfig
+from flaxformer_lite.config.variants import CopyHead
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenized import tokenize_split
@@ -40,7 +43,7 @@ TARGETS = np.array([[V, 9, V + 1, EOS_ID, 0], [8, 8, EOS_ID, 0, 0]], np.int32)
 
 
 def _model(**kw) -> AutoregressiveModel:
-    return AutoregressiveModel(CFG, label_smoothing=0.1, copy=pg.CopyHead(**kw))
+    return AutoregressiveModel(CFG, label_smoothing=0.1, copy=CopyHead(**kw))
 
 
 def _params(model, seed=0):
@@ -92,7 +95,7 @@ def test_the_scanned_layers_and_the_fast_kernel_give_the_same_mixture():
     other = AutoregressiveModel(
         dataclasses.replace(CFG, scan_layers=True, attention_impl="fast"),
         label_smoothing=0.1,
-        copy=pg.CopyHead(layer=0),
+        copy=CopyHead(layer=0),
     )
     np.testing.assert_allclose(
         _log_probs(other, layer_layout.stack(params)),
@@ -366,7 +369,7 @@ def test_an_unknown_source_piece_is_emitted_and_read_from_the_source(tokenizer):
     from flaxformer_lite.translate import runner
 
     cfg = dataclasses.replace(CFG, vocab_size=tokenizer.vocab_size)
-    model = AutoregressiveModel(cfg, copy=pg.CopyHead())
+    model = AutoregressiveModel(cfg, copy=CopyHead())
     params = meta.unbox(model.init(jax.random.PRNGKey(0), {"inputs": (1, 12), "targets": (1, 4)}))
     params = _with_gate_bias(params, -1e4)
     layer = params["decoder"][f"layer_{cfg.num_decoder_layers - 1}"]["cross_attention"]
@@ -377,7 +380,7 @@ def test_an_unknown_source_piece_is_emitted_and_read_from_the_source(tokenizer):
     line = "ŽaŽaŽaŽ"  # pieces ▁ Ž a Ž a Ž a Ž: the unknown Ž holds 4 of 9 positions
     sources = runner.tokenize_lines(tokenizer, [line, ""], 12, extended=True)
     assert sources.oov == [("Ž",), ()]
-    run_config = {"data": {"max_source_len": 12}}
+    run_config = RunConfig(model=cfg, data=DataConfig(max_source_len=12), copy=CopyHead())
     result = runner.decode_lines(
         model,
         params,
@@ -416,7 +419,7 @@ def _copy_config(**copy):
     ],
 )
 def test_bad_copy_configs_are_one_line_errors(change, words):
-    from flaxformer_lite import run_config
+    from flaxformer_lite.config import run as run_config
 
     config = _copy_config()
     change(config)
@@ -435,7 +438,7 @@ def copy_workdir(tmp_path_factory):
     config.train.checkpoint_every = 30
     path = str(tmp_path_factory.mktemp("copy") / "run")
     losses = []
-    results = loop.train_and_evaluate(config, path, log=losses.append)
+    results = loop.train_and_evaluate(parse(config), path, log=losses.append)
     return path, results
 
 

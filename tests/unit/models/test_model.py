@@ -13,7 +13,8 @@ import pytest
 from conftest import tiny_model_config
 from flax import linen as nn
 
-from flaxformer_lite.config import REMAT_POLICIES, ConfigError, TransformerConfig
+from flaxformer_lite.config import ConfigError, TransformerConfig
+from flaxformer_lite.config.model import REMAT_POLICIES
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
 from flaxformer_lite.models.transformer import Transformer

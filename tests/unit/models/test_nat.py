@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_model_config
 
-from flaxformer_lite import run_config as run_config_lib
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config import run as run_config_lib
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models import from_config
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
@@ -329,12 +330,9 @@ def test_length_beam_returns_the_candidates_best_first():
 
 
 def test_autoregressive_model_is_unchanged_by_the_nat_code():
-    config = tiny_config("/nonexistent")
-    at = from_config.build_model(config, run_config_lib.planned_model_config(config))
-    assert at == AutoregressiveModel(
-        run_config_lib.planned_model_config(config),
-        label_smoothing=config.train.label_smoothing,
-    )
+    run = parse(tiny_config("/nonexistent"))
+    at = from_config.build_model(run)
+    assert at == AutoregressiveModel(run.model, label_smoothing=run.train.label_smoothing)
     # The decoder's optional input vectors, nowhere used, change no bit of the logits.
     module = Transformer(tiny_model_config(**SMALL))
     params = module.init(jax.random.PRNGKey(0), SOURCES, TARGETS)
@@ -374,12 +372,11 @@ def nat_config(**nat):
 
 
 def test_nat_config_builds_the_nat_model():
-    config = nat_config(decoder_inputs="copy", masking="all")
-    model = from_config.build_model(config, run_config_lib.planned_model_config(config))
+    run = parse(nat_config(decoder_inputs="copy", masking="all"))
+    model = from_config.build_model(run)
     assert isinstance(model, NonAutoregressiveModel)
     assert (model.decoder_inputs, model.masking, model.length_loss_weight) == ("copy", "all", 0.1)
-    assert from_config.search_from_config(config) == NATSearch(max_len=16, iterations=4)
-    run_config_lib.validate(config)
+    assert from_config.search_from_config(run) == NATSearch(max_len=16, iterations=4)
 
 
 @pytest.mark.parametrize(
@@ -413,12 +410,13 @@ def test_nat_section_field_names_are_checked():
 def test_nat_search_flags_are_checked():
     from flaxformer_lite.translate import files, runner
 
-    run_config = {"nat": {"length_mode": "fixed"}, "data": {"max_target_len": 16}, "model": {}}
+    run_config = parse(nat_config(length_mode="fixed"))
+    assert run_config.data.max_target_len == 16
     with pytest.raises(files.InputError, match="--length_scale 2.0 scales predicted lengths"):
         runner.make_nat_search(run_config, length_scale=2.0)
     with pytest.raises(files.InputError, match="--length_beam 2"):
         runner.make_nat_search(run_config, length_beam=2)
-    run_config["nat"] = {"iterations": 7}
+    run_config = parse(nat_config(iterations=7))
     assert runner.make_nat_search(run_config) == NATSearch(max_len=16, iterations=7)
     with pytest.raises(files.InputError, match="--nbest 2 needs"):
         runner.make_nat_search(run_config, nbest=2)
@@ -442,7 +440,7 @@ def nat_workdir(tfds_dir, tmp_path_factory):
     with config.unlocked():
         config.nat = ml_collections.ConfigDict(dict(iterations=2, length_beam=2))
     path = str(tmp_path_factory.mktemp("nat") / "run")
-    results = loop.train_and_evaluate(config, path, log=lambda s: None)
+    results = loop.train_and_evaluate(parse(config), path, log=lambda s: None)
     return path, results
 
 

@@ -198,7 +198,7 @@ def test_config_checked_before_a_job_is_joined_leaves_the_backends_alone():
     code = (
         "from configs import default\n"
         "from jax._src import xla_bridge\n"
-        "from flaxformer_lite import run_config\n"
+        "from flaxformer_lite.config import run as run_config\n"
         "c = default.get_config()\n"
         "c.model.dtype = 'auto'\n"
         "c.model.attention_impl = 'splash'\n"

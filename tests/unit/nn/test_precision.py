@@ -11,7 +11,8 @@ import optax
 import pytest
 from conftest import tiny_model_config
 
-from flaxformer_lite.config import ConfigError, from_mapping, parse_dtype
+from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.model import from_mapping, parse_dtype
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.nn.precision import dot_f32
 from flaxformer_lite.parallel import partitioning

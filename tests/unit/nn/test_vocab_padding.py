@@ -12,9 +12,9 @@ import optax
 import pytest
 from conftest import tiny_model_config
 
+from flaxformer_lite.config.variants import CopyHead
 from flaxformer_lite.constants import EOS_ID
 from flaxformer_lite.export import layout
-from flaxformer_lite.models import pointer_generator as pg
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.non_autoregressive import NonAutoregressiveModel
@@ -139,7 +139,7 @@ def test_searches_and_scores_equal_the_unpadded_model(method):
 def test_the_copy_head_and_the_nat_model_are_unchanged_by_padding():
     rng = jax.random.PRNGKey(1)
     for make in (
-        lambda cfg: AutoregressiveModel(cfg, label_smoothing=0.1, copy=pg.CopyHead()),
+        lambda cfg: AutoregressiveModel(cfg, label_smoothing=0.1, copy=CopyHead()),
         lambda cfg: NonAutoregressiveModel(cfg, length_classes=16, label_smoothing=0.1),
     ):
         small_model, small, padded_model, padded = _pair(make)
@@ -147,7 +147,7 @@ def test_the_copy_head_and_the_nat_model_are_unchanged_by_padding():
         loss_b, _ = padded_model.loss(padded, BATCH, rng, 0)
         np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
     copy_small, params_small, copy_padded, params_padded = _pair(
-        lambda cfg: AutoregressiveModel(cfg, copy=pg.CopyHead())
+        lambda cfg: AutoregressiveModel(cfg, copy=CopyHead())
     )
     search = predict.SearchConfig("beam", max_len=6, beam_size=2)
     np.testing.assert_array_equal(
@@ -189,7 +189,7 @@ def test_a_run_saved_before_padding_reads_as_unpadded(tmp_path):
     """Its checkpoints hold exactly V rows: decoding, export and resume build that model."""
     saved = {"model": {"vocab_size": 29}, "data": {}}
     (tmp_path / workdir_lib.RUN_CONFIG).write_text(json.dumps(saved))
-    assert workdir_lib.load_run_config(str(tmp_path))["model"]["vocab_multiple"] == 1
+    assert workdir_lib.load_run_config(str(tmp_path)).model.vocab_multiple == 1
     saved["model"]["vocab_multiple"] = 128
     (tmp_path / workdir_lib.RUN_CONFIG).write_text(json.dumps(saved))
-    assert workdir_lib.load_run_config(str(tmp_path))["model"]["vocab_multiple"] == 128
+    assert workdir_lib.load_run_config(str(tmp_path)).model.vocab_multiple == 128

@@ -9,11 +9,14 @@ import numpy as np
 import optax
 import pytest
 
-from flaxformer_lite import run_config
-from flaxformer_lite.config import ConfigError, TransformerConfig
+from flaxformer_lite.config import ConfigError, TransformerConfig, variants
+from flaxformer_lite.config.variants import (
+    GuidedAttention,
+    check_guided_attention,
+    guided_attention_of,
+)
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.objectives import guided_attention as ga
-from flaxformer_lite.variant_sections import check_guided_attention, guided_attention_of
 
 SIGMA = 0.2
 N_LEN, T_LEN = (12, 7), (16, 9)  # per-example target and encoder lengths
@@ -91,7 +94,7 @@ CFG = TransformerConfig(
     subsampling_layers=1,
     subsampling_channels=8,
 )
-ON = ga.GuidedAttention(weight=1.0, sigma=0.4, layers=(-1,), heads=())
+ON = GuidedAttention(weight=1.0, sigma=0.4, layers=(-1,), heads=())
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +111,7 @@ def setup():
 
 def test_weight_zero_is_the_plain_loss(setup):
     plain, params, b = setup
-    off = AutoregressiveModel(CFG, guided_attention=ga.GuidedAttention(weight=0.0))
+    off = AutoregressiveModel(CFG, guided_attention=GuidedAttention(weight=0.0))
     key = jax.random.PRNGKey(2)
     a, sums_a = plain.loss(params, b, key, 0)
     c, sums_c = off.loss(params, b, key, 0)
@@ -177,7 +180,7 @@ def test_section_refuses_bad_values():
         with pytest.raises(ConfigError, match=field):
             guided_attention_of(ml_collections.ConfigDict({"guided_attention": values}))
     assert not guided_attention_of(ml_collections.ConfigDict({})).enabled
-    off = run_config.scheduled_sampling_section(ml_collections.ConfigDict({}))
+    off = variants.scheduled_sampling_section(ml_collections.ConfigDict({}))
     on = guided_attention_of({"guided_attention": {"weight": 1.0, "layers": (2,)}})
     with pytest.raises(ConfigError, match="guided_attention.layers"):
         check_guided_attention(on, CFG, off, None, None)

@@ -13,8 +13,8 @@ import pytest
 from conftest import tiny_model_config
 
 from configs import tiny
-from flaxformer_lite import run_config
-from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config import ConfigError, variants
+from flaxformer_lite.config import run as run_config
 from flaxformer_lite.constants import BOS_ID, PAD_ID
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
 from flaxformer_lite.objectives import cross_entropy
@@ -63,7 +63,9 @@ def _loss(model, batch, step=0, rng=KEY):
     ],
 )
 def test_schedules_equal_their_formulas(fields, step, expected):
-    eps = ss.gold_probability(ss.ScheduledSampling(mode="argmax", **fields), jnp.asarray(step))
+    eps = ss.gold_probability(
+        variants.ScheduledSampling(mode="argmax", **fields), jnp.asarray(step)
+    )
     np.testing.assert_allclose(float(eps), expected, rtol=1e-5, atol=1e-7)
 
 
@@ -74,7 +76,7 @@ def test_mixing_replaces_the_expected_share_and_never_bos_or_padding():
     inputs[:, 30:] = PAD_ID
     inputs[::2, 15] = BOS_ID  # packed rows: a second example starts here
     logits = jax.random.normal(jax.random.key(1), (b, t, v))
-    cfg = ss.ScheduledSampling(mode="argmax")
+    cfg = variants.ScheduledSampling(mode="argmax")
     use, _ = ss.mix_inputs(cfg, logits, jnp.asarray(inputs), jnp.float32(0.3), KEY, BOS_ID)
     use = np.asarray(use)
     allowed = (inputs != BOS_ID) & (inputs != PAD_ID)
@@ -93,7 +95,7 @@ def test_replacements_come_from_the_previous_position(mode):
     b, t, v = 3, 6, 20
     logits = jnp.full((b, t, v), -30.0).at[:, jnp.arange(t), 10 + jnp.arange(t)].set(30.0)
     inputs = jnp.full((b, t), 5).at[:, 0].set(BOS_ID)
-    cfg = ss.ScheduledSampling(mode=mode)
+    cfg = variants.ScheduledSampling(mode=mode)
     use, new = ss.mix_inputs(cfg, logits, inputs, jnp.float32(0.0), KEY, BOS_ID)
     assert np.asarray(use)[:, 1:].all() and not np.asarray(use)[:, 0].any()
     tokens = np.asarray(new.argmax(-1) if mode == "soft" else new)
@@ -106,7 +108,8 @@ def test_two_pass_loss_equals_teacher_forcing_on_the_fed_predictions():
     batch = _batch()
     base = AutoregressiveModel(CFG)
     model = dataclasses.replace(
-        base, scheduled_sampling=ss.ScheduledSampling(mode="argmax", schedule="constant", k=0.0)
+        base,
+        scheduled_sampling=variants.ScheduledSampling(mode="argmax", schedule="constant", k=0.0),
     )
     params = _params()
     inputs = shift_right(batch["targets"], BOS_ID)
@@ -128,7 +131,7 @@ def test_two_pass_loss_equals_teacher_forcing_on_the_fed_predictions():
 def test_gold_probability_one_gives_the_teacher_forced_loss(passes):
     batch = _batch(1)
     base = AutoregressiveModel(CFG)
-    cfg = ss.ScheduledSampling(mode="soft", schedule="constant", k=1.0, passes=passes)
+    cfg = variants.ScheduledSampling(mode="soft", schedule="constant", k=1.0, passes=passes)
     loss, sums = _loss(dataclasses.replace(base, scheduled_sampling=cfg), batch)
     np.testing.assert_allclose(float(loss), float(_loss(base, batch)[0]), rtol=1e-6)
     assert float(sums["ss_replaced"]) == 0
@@ -138,13 +141,15 @@ def test_soft_mixing_at_low_temperature_equals_argmax():
     batch = _batch(2)
     base = AutoregressiveModel(CFG)
     fields = dict(schedule="constant", k=0.0)
-    argmax = dataclasses.replace(base, scheduled_sampling=ss.ScheduledSampling("argmax", **fields))
+    argmax = dataclasses.replace(
+        base, scheduled_sampling=variants.ScheduledSampling("argmax", **fields)
+    )
     soft = dataclasses.replace(
-        base, scheduled_sampling=ss.ScheduledSampling("soft", temperature=1e-4, **fields)
+        base, scheduled_sampling=variants.ScheduledSampling("soft", temperature=1e-4, **fields)
     )
     np.testing.assert_allclose(float(_loss(soft, batch)[0]), float(_loss(argmax, batch)[0]), 1e-5)
     warm = dataclasses.replace(
-        base, scheduled_sampling=ss.ScheduledSampling("soft", temperature=1.0, **fields)
+        base, scheduled_sampling=variants.ScheduledSampling("soft", temperature=1.0, **fields)
     )
     assert abs(float(_loss(warm, batch)[0]) - float(_loss(argmax, batch)[0])) > 1e-3
 
@@ -156,7 +161,7 @@ def test_gradient_all_reaches_the_first_pass_only_in_soft_mode():
     def grads(**fields):
         model = dataclasses.replace(
             base,
-            scheduled_sampling=ss.ScheduledSampling(schedule="constant", k=0.0, **fields),
+            scheduled_sampling=variants.ScheduledSampling(schedule="constant", k=0.0, **fields),
         )
         return jax.jit(jax.grad(lambda p: model.loss(p, batch, KEY, jnp.asarray(0))[0]))(_params())
 
@@ -176,8 +181,8 @@ def test_off_is_bit_identical_and_on_trains_in_the_jitted_step():
     """Two SGD steps: mode off (whatever its other fields) gives the very same parameters as
     a model without scheduled sampling; argmax mixing gives other ones and reports its share."""
     tx = optax.sgd(0.5)
-    off = ss.ScheduledSampling(mode="off", schedule="constant", k=0.0, passes=3)
-    on = ss.ScheduledSampling(mode="argmax", schedule="constant", k=0.5)
+    off = variants.ScheduledSampling(mode="off", schedule="constant", k=0.0, passes=3)
+    on = variants.ScheduledSampling(mode="argmax", schedule="constant", k=0.5)
     results = {}
     for name, sampling in (("none", None), ("off", off), ("on", on)):
         model = AutoregressiveModel(CFG, label_smoothing=0.1)
@@ -220,11 +225,11 @@ def test_bad_settings_name_the_field(fields, words):
 def test_config_without_the_section_is_teacher_forcing():
     config = tiny.get_config()
     del config["scheduled_sampling"]
-    assert run_config.scheduled_sampling_of(config) == ss.ScheduledSampling()
-    assert not run_config.scheduled_sampling_of(config).enabled
+    assert variants.scheduled_sampling_section(config) == variants.ScheduledSampling()
+    assert not variants.scheduled_sampling_section(config).enabled
 
 
 def test_direct_settings_are_checked_too():
     for fields in (dict(mode="greedy"), dict(passes=1), dict(temperature=0.0)):
         with pytest.raises(ValueError):
-            ss.ScheduledSampling(**fields)
+            variants.ScheduledSampling(**fields)

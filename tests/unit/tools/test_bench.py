@@ -157,7 +157,7 @@ def test_cli_flags_reach_the_benchmarked_model():
 
 @pytest.mark.slow  # two more train-step compiles; test_scheduled_sampling runs the jitted step
 def test_scheduled_sampling_benchmark_times_both_steps():
-    from flaxformer_lite.objectives.scheduled_sampling import ScheduledSampling
+    from flaxformer_lite.config.variants import ScheduledSampling
 
     config = tiny_model_config(vocab_size=40, d_ff=64)
     sampling = ScheduledSampling(mode="argmax")
@@ -169,10 +169,11 @@ def test_scheduled_sampling_benchmark_times_both_steps():
 
 
 def test_input_benchmark_counts_every_example_it_times(tfds_dir):
+    from flaxformer_lite.config.run import parse
     from flaxformer_lite.tools.input_benchmark import examples_in, input_benchmark
 
     lines = []
-    config = tiny_config(tfds_dir, batch_size=8)
+    config = parse(tiny_config(tfds_dir, batch_size=8))
     results = input_benchmark(config, batches=6, log=lines.append)
     assert results["batches"] == 6 and results["examples"] == 6 * 8  # fixed batches, all valid
     assert results["examples_per_s"] > 0 and results["batches_per_s"] > 0

@@ -4,7 +4,7 @@ import pytest
 from conftest import ROOT  # noqa: F401  (puts configs/ on the path)
 
 from configs import default, wmt14_ende_base, wmt14_ende_big
-from flaxformer_lite import run_config
+from flaxformer_lite.config import run as run_config
 from flaxformer_lite.tools import dry_run
 
 
@@ -43,7 +43,7 @@ def analytic_count(m) -> int:
 )
 def test_paper_configs(module, expected, capsys):
     config = module.get_config()
-    total = dry_run.print_parameter_table(config)
+    total = dry_run.print_parameter_table(run_config.parse(config))
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"total_params={total}"
     assert total == analytic_count(config.model) == expected
@@ -70,8 +70,9 @@ def test_variants(changes):
     for k, v in changes.items():
         section, _, name = k.rpartition(".")
         config[section or "model"][name] = v
-    params = dry_run.abstract_params(config)
+    planned = run_config.parse(config)
+    params = dry_run.abstract_params(planned)
     total = sum(row[2] for row in dry_run.parameter_table(params))
-    planned = run_config.planned_model_config(config)
+    planned = planned.model
     assert total == analytic_count(planned)
     assert planned.output_vocab_size == (config.data.target_vocab_size or 256)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config
 
+from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import checkpoints, load_state, loop, restore
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, load_run_config
 
@@ -18,7 +19,7 @@ from flaxformer_lite.training.workdir import CHECKPOINT_DIR, load_run_config
 def workdir(tfds_dir, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("restore") / "run")
     # Checkpoints at steps 10 and 20.
-    loop.train_and_evaluate(tiny_config(tfds_dir, num_steps=20), path, log=lambda s: None)
+    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=20)), path, log=lambda s: None)
     return path
 
 
@@ -149,5 +150,5 @@ def test_checkpoints_restore_across_the_layer_layouts(workdir, tmp_path, tfds_di
     config = tiny_config(tfds_dir, num_steps=21)
     config.model.scan_layers = True
     lines = []
-    loop.train_and_evaluate(config, old, log=lines.append)
+    loop.train_and_evaluate(parse(config), old, log=lines.append)
     assert any("resumed from step 20" in line for line in lines), lines

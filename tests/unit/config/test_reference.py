@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from flaxformer_lite.tools import config_docs
+from flaxformer_lite.config import reference as config_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -17,7 +17,7 @@ def test_configuration_reference_is_generated_from_the_dataclasses():
     page = config_docs.DOC.read_text()
     assert config_docs.render(page) == page, (
         "docs/configuration.md differs from the dataclasses: run "
-        "`python -m flaxformer_lite.tools.config_docs --write`"
+        "`python -m flaxformer_lite.config.reference --write`"
     )
 
 

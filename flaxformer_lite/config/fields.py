@@ -1,4 +1,4 @@
-"""The field machinery of the run-config sections (run_config.py, variant_sections.py).
+"""The field machinery of the run-config sections (sections.py, variants.py).
 
 A section is a frozen dataclass whose every field is made by `field(default, check)`.
 A `Check` is a function (flag, value) -> an error line, or None when the value is fine;
@@ -16,7 +16,7 @@ from typing import Any
 
 import ml_collections
 
-from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.errors import ConfigError
 
 SPLITS = ("train", "validation", "test")
 
@@ -101,6 +101,19 @@ def plain(value):
     if isinstance(value, list):
         return tuple(value)
     return value
+
+
+def check_fields(obj, name: str) -> None:
+    """Runs every field's check on a built section (its `__post_init__`), so that a section
+    made in code is held to the same rules as one read from a run config.
+
+    Raises:
+      ConfigError: the first field whose check fails, named `{name}.{field}`.
+    """
+    for f in dataclasses.fields(obj):
+        message = f.metadata["check"](f"{name}.{f.name}", getattr(obj, f.name))
+        if message:
+            raise ConfigError(message)
 
 
 def section(cls, name: str, values: Mapping[str, Any]):

@@ -1,10 +1,13 @@
 """The optional run-config sections that switch on a model variant, and their checks.
 
 `scheduled_sampling` feeds the autoregressive decoder its own predictions
-(objectives/scheduled_sampling.py), `nat` trains the non-autoregressive model and
-`copy` the pointer-generator head. Each section is a frozen dataclass of checked
-fields (config_fields.py); `check_nat` and `check_copy` then check it against the
-model, data and train sections that `run_config.parse` has already built.
+(objectives/scheduled_sampling.py), `nat` trains the non-autoregressive model,
+`copy` the pointer-generator head (models/pointer_generator.py) and
+`guided_attention` pulls cross-attention towards the diagonal
+(objectives/guided_attention.py). Each section is declared once, here: a frozen
+dataclass of checked fields (fields.py) that the model and its objectives take as
+it is. `check_nat`, `check_copy` and `check_guided_attention` then check a section
+against the model, data and train sections that `run.parse` has already built.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from collections.abc import Mapping
 
 import ml_collections
 
-from flaxformer_lite.config import ConfigError
-from flaxformer_lite.config_fields import (
+from flaxformer_lite.config.errors import ConfigError
+from flaxformer_lite.config.fields import (
     NON_NEGATIVE,
     POSITIVE,
     boolean,
+    check_fields,
     field,
     head_indices,
     int_at_least,
@@ -27,22 +31,36 @@ from flaxformer_lite.config_fields import (
     one_of,
     section,
 )
-from flaxformer_lite.objectives import guided_attention, scheduled_sampling
+from flaxformer_lite.config.model import TransformerConfig
+
+# scheduled_sampling: what is fed, eps_i's schedule, which passes the gradient reaches.
+SAMPLING_MODES = ("off", "argmax", "sample", "soft")
+SAMPLING_SCHEDULES = ("linear", "exponential", "inverse_sigmoid", "constant")
+SAMPLING_GRADIENTS = ("last", "all")
+NAT_LENGTH_MODES = ("predict", "fixed")
 
 
 @dataclasses.dataclass(frozen=True)
-class ScheduledSamplingConfig:
-    """`scheduled_sampling` (optional section): see objectives/scheduled_sampling.py."""
+class ScheduledSampling:
+    """`scheduled_sampling` (optional section): the decoder is fed its own predictions with
+    probability 1 - eps_i (objectives/scheduled_sampling.py); mode "off" feeds the gold."""
 
-    mode: str = field("off", one_of(*scheduled_sampling.MODES))  # what is fed: off = gold
-    schedule: str = field("linear", one_of(*scheduled_sampling.SCHEDULES))  # gold prob. eps_i
-    k: float = field(1.0, number(0.0, low_open=True))  # linear: eps_i = max(eps_min, k - c i)
+    mode: str = field("off", one_of(*SAMPLING_MODES))  # what is fed: off = gold
+    schedule: str = field("linear", one_of(*SAMPLING_SCHEDULES))  # gold prob. eps_i
+    k: float = field(1.0, number(0.0))  # linear: eps_i = max(eps_min, k - c i); 0: always fed
     c: float = field(1e-4, number(0.0))  # the decay rate of the schedule
     eps_min: float = field(0.0, number(0.0, 1.0, high_open=False))  # the floor of eps_i
     warmup_steps: int = field(0, NON_NEGATIVE)  # steps of pure teacher forcing first
     temperature: float = field(1.0, number(0.0, low_open=True))  # sample/soft: of the softmax
-    gradient: str = field("last", one_of(*scheduled_sampling.GRADIENTS))  # passes it reaches
+    gradient: str = field("last", one_of(*SAMPLING_GRADIENTS))  # passes it reaches
     passes: int = field(2, int_at_least(2))  # decoder passes per step (the last is scored)
+
+    def __post_init__(self):
+        check_fields(self, "scheduled_sampling")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +68,7 @@ class NATConfig:
     """`nat` (optional section): a run config with it trains the non-autoregressive model
     (models/non_autoregressive.py); `iterations` and `length_beam` are evaluation's."""
 
-    length_mode: str = field("predict", one_of("predict", "fixed"))  # fixed: cut at first EOS
+    length_mode: str = field("predict", one_of(*NAT_LENGTH_MODES))  # fixed: cut at first EOS
     length_classes: int = field(256, int_at_least(2))  # target - source offsets, centred
     length_loss_weight: float = field(0.1, number(0.0))  # beside the token loss (fairseq 0.1)
     length_stop_gradient: bool = field(False, boolean)  # True: it does not train the encoder
@@ -59,15 +77,26 @@ class NATConfig:
     iterations: int = field(10, POSITIVE)  # evaluation: Mask-Predict decoder calls
     length_beam: int = field(1, POSITIVE)  # evaluation: length candidates per source
 
+    def __post_init__(self):
+        check_fields(self, "nat")
+
 
 @dataclasses.dataclass(frozen=True)
-class CopyConfig:
+class CopyHead:
     """`copy` (optional section): a run config with it trains the pointer-generator head
-    (models/pointer_generator.py) on extended ids (data/extended_ids.py)."""
+    (models/pointer_generator.py) on extended ids (data/extended_ids.py), copying with
+    the mean of these heads of this decoder layer's cross-attention."""
 
-    # the decoder layer whose cross-attention is the copy distribution
+    # the decoder layer whose cross-attention is the copy distribution (negative: from the last)
     layer: int = field(-1, lambda flag, v: None if is_int(v) else f"{flag} must be an integer")
     heads: tuple[int, ...] = field((), head_indices)  # its heads averaged; (): all
+
+    def __post_init__(self):
+        check_fields(self, "copy")
+
+    def attention_name(self, config: TransformerConfig) -> str:
+        """The capture name of the copied layer, e.g. "decoder/cross/2"."""
+        return f"decoder/cross/{self.layer % config.num_decoder_layers}"
 
 
 def _layer_indices(flag, v):
@@ -77,23 +106,32 @@ def _layer_indices(flag, v):
 
 
 @dataclasses.dataclass(frozen=True)
-class GuidedAttentionConfig:
+class GuidedAttention:
     """`guided_attention` (optional section): pulls the chosen decoder layers' cross-attention
     towards the diagonal (objectives/guided_attention.py); weight 0 leaves it off."""
 
     weight: float = field(0.0, number(0.0))  # of the penalty beside cross-entropy; 0: off
-    sigma: float = field(0.4, number(0.0, low_open=True))  # width g of the diagonal guide
+    # width g of the diagonal guide; ESPnet's default (the paper uses 0.2)
+    sigma: float = field(0.4, number(0.0, low_open=True))
     layers: tuple[int, ...] = field((-2, -1), _layer_indices)  # guided decoder layers
     heads: tuple[int, ...] = field((0, 1), head_indices)  # guided heads of them; (): all
 
+    def __post_init__(self):
+        check_fields(self, "guided_attention")
 
-def guided_attention_of(
-    config: ml_collections.ConfigDict | Mapping,
-) -> guided_attention.GuidedAttention:
-    """The model's guided-attention settings of a run config (off when it has none)."""
-    values = config.get("guided_attention", None)
-    g = section(GuidedAttentionConfig, "guided_attention", values or {})
-    return guided_attention.GuidedAttention(g.weight, g.sigma, tuple(g.layers), tuple(g.heads))
+    @property
+    def enabled(self) -> bool:
+        return self.weight > 0
+
+    def capture_names(self, num_decoder_layers: int) -> tuple[str, ...]:
+        """The guided layers as capture names ("decoder/cross/I"), each once."""
+        layers = dict.fromkeys(i % num_decoder_layers for i in self.layers)
+        return tuple(f"decoder/cross/{i}" for i in layers)
+
+
+def guided_attention_of(config: ml_collections.ConfigDict | Mapping) -> GuidedAttention:
+    """The `guided_attention` section of a run config (off when it has none)."""
+    return section(GuidedAttention, "guided_attention", config.get("guided_attention", None) or {})
 
 
 def check_guided_attention(guided, model, sampling, nat, copy) -> None:
@@ -127,11 +165,11 @@ def check_guided_attention(guided, model, sampling, nat, copy) -> None:
         )
 
 
-def copy_of(config: ml_collections.ConfigDict | Mapping) -> CopyConfig | None:
+def copy_of(config: ml_collections.ConfigDict | Mapping) -> CopyHead | None:
     """The `copy` section of a run config (or of a workdir's saved one); None: no copy head."""
-    if "copy" not in config or config["copy"] is None:
+    if config.get("copy", None) is None:
         return None
-    return section(CopyConfig, "copy", config["copy"])
+    return section(CopyHead, "copy", config["copy"])
 
 
 def check_copy(copy, model, data, sampling, nat) -> None:
@@ -173,11 +211,11 @@ def check_copy(copy, model, data, sampling, nat) -> None:
         )
 
 
-def nat_of(config: ml_collections.ConfigDict) -> NATConfig | None:
+def nat_of(config: ml_collections.ConfigDict | Mapping) -> NATConfig | None:
     """The `nat` section of a run config (None: it trains the autoregressive model)."""
-    if "nat" not in config or config.nat is None:
+    if config.get("nat", None) is None:
         return None
-    return section(NATConfig, "nat", config.nat)
+    return section(NATConfig, "nat", config["nat"])
 
 
 def check_nat(nat, model, data, train, sampling) -> None:
@@ -208,9 +246,11 @@ def check_nat(nat, model, data, train, sampling) -> None:
         )
 
 
-def scheduled_sampling_section(config: ml_collections.ConfigDict) -> ScheduledSamplingConfig:
-    values = config.scheduled_sampling if "scheduled_sampling" in config else {}
-    s = section(ScheduledSamplingConfig, "scheduled_sampling", values)
+def scheduled_sampling_section(config: ml_collections.ConfigDict | Mapping) -> ScheduledSampling:
+    """The `scheduled_sampling` section of a run config (off when it has none), its
+    fields checked together."""
+    values = config.get("scheduled_sampling", None) or {}
+    s = section(ScheduledSampling, "scheduled_sampling", values)
     if s.schedule == "exponential" and not s.k < 1.0:
         raise ConfigError(
             f"scheduled_sampling.k={s.k} with the exponential schedule k**i never decays: "
@@ -228,11 +268,3 @@ def scheduled_sampling_section(config: ml_collections.ConfigDict) -> ScheduledSa
             "gradient='last'"
         )
     return s
-
-
-def scheduled_sampling_of(
-    config: ml_collections.ConfigDict,
-) -> scheduled_sampling.ScheduledSampling:
-    """The model's scheduled-sampling settings of a run config (off when it has none)."""
-    settings = scheduled_sampling_section(config)
-    return scheduled_sampling.ScheduledSampling(**dataclasses.asdict(settings))

@@ -25,6 +25,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from flaxformer_lite.config.errors import ConfigError
+
 POSITIONS = ("sinusoidal", "learned", "none")
 NORMS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu")
@@ -41,10 +43,6 @@ REMAT_POLICIES = (
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
 )
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which and how to fix it."""
 
 
 @dataclasses.dataclass(frozen=True)
