@@ -21,17 +21,16 @@ from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.config.variants import CopyHead, GuidedAttention, ScheduledSampling
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models import predict
-from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
+from flaxformer_lite.models.base import Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
 from flaxformer_lite.models.copy_transformer import CopyTransformer
+from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import Transformer, token_validity
 from flaxformer_lite.nn.subsampling import subsampled_validity
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.objectives import guided_attention as ga
 from flaxformer_lite.objectives import pointer_generator as copy_loss
 from flaxformer_lite.objectives import scheduled_sampling as ss
-
-PACKING_KEYS = ("inputs_segments", "inputs_positions", "targets_segments", "targets_positions")
 
 
 def shift_right(targets: jax.Array, bos_id: int, segments: jax.Array | None = None) -> jax.Array:
@@ -52,11 +51,6 @@ def shift_right(targets: jax.Array, bos_id: int, segments: jax.Array | None = No
     previous = jnp.concatenate([jnp.zeros_like(segments[:, :1]), segments[:, :-1]], axis=1)
     starts = (segments != previous) & (segments != 0)  # first token of each example
     return jnp.where(starts, bos_id, jnp.where(segments == 0, PAD_ID, shifted))
-
-
-def packing_of(batch: Batch) -> dict[str, jax.Array] | None:
-    """The packing fields of a batch of packed rows, or None."""
-    return {k: batch[k] for k in PACKING_KEYS} if PACKING_KEYS[0] in batch else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +124,8 @@ class AutoregressiveModel(Seq2SeqModel):
         return self.module.init({"params": rng}, source, target, source_valid=valid, **kw)["params"]
 
     def loss(self, params, batch, rng, step):
-        packing = packing_of(batch)
-        segments = None if packing is None else packing["targets_segments"]
+        packing = Packing.of(batch)
+        segments = None if packing is None else packing.targets_segments
         decoder_inputs = shift_right(batch["targets"], self.bos_id, segments)  # BOS + targets[:-1]
         extra = {}
         if self.scheduled_sampling.enabled:

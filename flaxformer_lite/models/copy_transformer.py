@@ -29,12 +29,14 @@ from flaxformer_lite.config.variants import CopyHead
 from flaxformer_lite.constants import UNK_ID
 from flaxformer_lite.models import pointer_generator as pg
 from flaxformer_lite.models.capture import captured_attention
+from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import (
     decoder_masks,
     encoder_and_decoder,
+    encoder_masks,
     token_validity,
 )
-from flaxformer_lite.nn import masks, precision
+from flaxformer_lite.nn import precision
 from flaxformer_lite.nn.vocab import real_rows
 
 
@@ -64,15 +66,11 @@ class CopyTransformer(nn.Module):
         source_valid: jax.Array | None = None,
         *,
         deterministic: bool = True,
-        packing: dict[str, jax.Array] | None = None,
+        packing: Packing | None = None,
     ) -> dict[str, jax.Array]:
         """int[B, S] source ids (extended ids included) -> the source dict (module docstring)."""
         valid = token_validity(inputs) if source_valid is None else source_valid
-        segments = None if packing is None else packing["inputs_segments"]
-        positions = None if packing is None else packing["inputs_positions"]
-        mask = masks.self_attention(
-            valid, segments, causal=False, window=self.config.encoder_window
-        )
+        mask, positions = encoder_masks(valid, packing, self.config.encoder_window)
         encoded = self.encoder(
             self._embeddable(inputs), mask, deterministic=deterministic, positions=positions
         )
@@ -117,7 +115,7 @@ class CopyTransformer(nn.Module):
         decoder_inputs: jax.Array,
         *,
         deterministic: bool = True,
-        packing: dict[str, jax.Array] | None = None,
+        packing: Packing | None = None,
         return_gate: bool = False,
         parts: bool = False,
     ):
@@ -162,7 +160,7 @@ class CopyTransformer(nn.Module):
         *,
         source_valid: jax.Array | None = None,
         deterministic: bool = True,
-        packing: dict[str, jax.Array] | None = None,
+        packing: Packing | None = None,
         replacements=None,
         parts: bool = False,
     ) -> jax.Array | dict[str, jax.Array]:

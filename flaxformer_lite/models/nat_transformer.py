@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.models.transformer import encoder_and_decoder
+from flaxformer_lite.models.transformer import encoder_and_decoder, encoder_masks
 from flaxformer_lite.nn import masks
 
 
@@ -77,7 +77,7 @@ class NATransformer(nn.Module):
         self, inputs: jax.Array, source_valid: jax.Array, *, deterministic: bool = True
     ) -> jax.Array:
         """int[B, S] (or float[B, S, F]) -> [B, S, D]."""
-        mask = masks.self_attention(source_valid, causal=False, window=self.config.encoder_window)
+        mask, _ = encoder_masks(source_valid, None, self.config.encoder_window)
         return self.encoder(inputs, mask, deterministic=deterministic)
 
     def length_logits(self, encoded: jax.Array, source_valid: jax.Array) -> jax.Array:

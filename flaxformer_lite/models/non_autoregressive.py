@@ -38,6 +38,7 @@ from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
 from flaxformer_lite.models.nat_transformer import NATransformer
+from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import token_validity
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.objectives import non_autoregressive as objective
@@ -180,7 +181,7 @@ class NonAutoregressiveModel(Seq2SeqModel):
 
     def loss(self, params, batch, rng, step):
         del step  # no schedule
-        if "inputs_segments" in batch:
+        if Packing.of(batch) is not None:
             raise ValueError("the non-autoregressive model reads one example per row: no packing")
         layout = self.layout(batch["targets"])
         mask_rng, dropout_rng = jax.random.split(rng)

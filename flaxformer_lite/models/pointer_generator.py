@@ -1,4 +1,5 @@
-"""The pointer-generator output head (See et al. 2017): the settings, the gate and the mixture.
+"""The pointer-generator output head (See et al. 2017): the gate and the mixture (its settings
+are the `copy` section, `config/variants.CopyHead`).
 
     P(w) = p_gen * P_vocab(w) + (1 - p_gen) * sum_{s : copy_ids[s] = w} a[s]
 

@@ -1,8 +1,8 @@
 """Every attention mask of the project, built from validity arrays and positions.
 
 Masks are boolean, True where a query may attend to a key, and are built
-once per forward pass (`Transformer.__call__`, `Transformer.encode`,
-`Transformer.decode`, `Decoder.step`) and passed down to the layers; nothing
+once per forward pass (`models/transformer.py`'s `encoder_masks` and
+`decoder_masks`, `Decoder.step`) and passed down to the layers; nothing
 below this module looks at token ids to decide what to attend to.
 
 Validity is a property of keys: a padded key column is hidden from every

@@ -259,6 +259,7 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
     from flaxformer_lite.config import TransformerConfig
     from flaxformer_lite.data.tokenizer import BOS_ID
     from flaxformer_lite.models.autoregressive import shift_right
+    from flaxformer_lite.models.packing import Packing
     from flaxformer_lite.models.transformer import Transformer
 
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -268,7 +269,7 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
         num_decoder_layers=1, dropout_rate=0.0,
     )  # fmt: skip
     model = Transformer(cfg)
-    packing = {k: batch[k] for k in batch if k.endswith(("_segments", "_positions"))}
+    packing = Packing.of(batch)
     decoder_inputs = shift_right(batch["targets"], BOS_ID, batch["targets_segments"])
     # Random parameters of the right shapes: compiling `init` takes seconds on a CPU.
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), batch["inputs"], decoder_inputs)

@@ -17,6 +17,7 @@ from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.config.model import REMAT_POLICIES
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
+from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.nn.embeddings import Embed, sinusoidal_positions
 from flaxformer_lite.nn.layers import Dense, project
@@ -168,18 +169,18 @@ def test_packed_rows_equal_separate_rows():
     sep_tgt = jnp.array([tgt_a + [0] * 4, tgt_b + [0] * 3])
     packed_src = jnp.array([src_a + src_b])
     packed_tgt = jnp.array([tgt_a + tgt_b])
-    packing = {
-        "inputs_segments": jnp.array([[1] * 4 + [2] * 3]),
-        "inputs_positions": jnp.array([list(range(4)) + list(range(3))]),
-        "targets_segments": jnp.array([[1] * 3 + [2] * 4]),
-        "targets_positions": jnp.array([list(range(3)) + list(range(4))]),
-    }
+    packing = Packing(
+        inputs_segments=jnp.array([[1] * 4 + [2] * 3]),
+        inputs_positions=jnp.array([list(range(4)) + list(range(3))]),
+        targets_segments=jnp.array([[1] * 3 + [2] * 4]),
+        targets_positions=jnp.array([list(range(3)) + list(range(4))]),
+    )
     for norm in ("post", "pre"):
         cfg = TINY.replace(norm=norm)
         params = _init(cfg)
         model = Transformer(cfg)
         sep = model.apply({"params": params}, sep_src, shift_right(sep_tgt, 2))
-        dec_in = shift_right(packed_tgt, 2, packing["targets_segments"])
+        dec_in = shift_right(packed_tgt, 2, packing.targets_segments)
         np.testing.assert_array_equal(dec_in, [[2, 11, 12, 2, 13, 14, 15]])
         packed = model.apply({"params": params}, packed_src, dec_in, packing=packing)
         np.testing.assert_allclose(packed[0, :3], sep[0, :3], atol=1e-5)
@@ -191,12 +192,12 @@ def test_packed_rows_equal_separate_rows():
 
 def test_packed_examples_never_see_each_other():
     """Changing the second packed example (source and target) leaves the first unchanged."""
-    packing = {
-        "inputs_segments": jnp.array([[1, 1, 1, 2, 2, 2]]),
-        "inputs_positions": jnp.array([[0, 1, 2, 0, 1, 2]]),
-        "targets_segments": jnp.array([[1, 1, 2, 2, 2]]),
-        "targets_positions": jnp.array([[0, 1, 0, 1, 2]]),
-    }
+    packing = Packing(
+        inputs_segments=jnp.array([[1, 1, 1, 2, 2, 2]]),
+        inputs_positions=jnp.array([[0, 1, 2, 0, 1, 2]]),
+        targets_segments=jnp.array([[1, 1, 2, 2, 2]]),
+        targets_positions=jnp.array([[0, 1, 0, 1, 2]]),
+    )
     params = _init(TINY)
     model = Transformer(TINY)
     src = jnp.array([[5, 6, 3, 9, 10, 3]])

@@ -9,6 +9,7 @@ from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.non_autoregressive import NonAutoregressiveModel
+from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.nn.subsampling import (
     Conv1dSubsampler,
@@ -171,7 +172,12 @@ def test_bad_settings_are_refused():
         config(2).replace(subsampling_channels=0)
     with pytest.raises(ConfigError, match="subsampling_layers"):
         NonAutoregressiveModel(config(1), length_mode="fixed")
-    packing = {k: jnp.ones((1, S), jnp.int32) for k in ("inputs_segments", "inputs_positions")}
+    packing = Packing(
+        inputs_segments=jnp.ones((1, S), jnp.int32),
+        inputs_positions=jnp.zeros((1, S), jnp.int32),
+        targets_segments=jnp.ones((1, 4), jnp.int32),
+        targets_positions=jnp.zeros((1, 4), jnp.int32),
+    )
     with pytest.raises(ConfigError, match="packed"):
         jax.eval_shape(
             lambda: Transformer(config(1)).init(
@@ -179,8 +185,7 @@ def test_bad_settings_are_refused():
                 jnp.zeros((1, S, F)),
                 jnp.ones((1, 4), jnp.int32),
                 source_valid=jnp.ones((1, S), bool),
-                packing={**packing, "targets_segments": jnp.ones((1, 4), jnp.int32),
-                         "targets_positions": jnp.zeros((1, 4), jnp.int32)},
+                packing=packing,
             )
         )  # fmt: skip
 
