@@ -20,7 +20,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from flaxformer_lite.tools import cli, compilation_cache
+from flaxformer_lite.cli import common, compilation_cache
 
 flags.DEFINE_enum(
     "mode",
@@ -35,7 +35,9 @@ flags.DEFINE_integer(
     "input_batches", 50, "--mode input/train with --config: batches timed.", lower_bound=1
 )
 flags.DEFINE_list(
-    "lower_programs", [], "--mode lower: these programs only (default: all; see tools/lowering)."
+    "lower_programs",
+    [],
+    "--mode lower: these programs only (default: all; see benchmarks/lowering).",
 )
 flags.DEFINE_integer(
     "lower_devices", 8, "--mode lower: simulated CPU devices for the collectives.", lower_bound=1
@@ -134,33 +136,35 @@ config_flags.DEFINE_config_file(
     "when given, and --config.model.x=... override it. Without it: the size flags alone.",
     lock_config=True,
 )
-cli.define_host_malloc_flag()
+common.define_host_malloc_flag()
 compilation_cache.define_flag(off_because="since the compile times reported would be cache loads")
 FLAGS = flags.FLAGS
 
 
-@cli.friendly_errors
+@common.friendly_errors
 def main(argv):
     if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    from flaxformer_lite.tools import bench_command
+        common.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    from flaxformer_lite.cli import bench as bench_cli
 
     present = frozenset(name for name in FLAGS if FLAGS[name].present)
-    opts = bench_command.Options(FLAGS, present, sys.argv[1:], os.path.abspath(__file__))
+    opts = bench_cli.Options(FLAGS, present, sys.argv[1:], os.path.abspath(__file__))
     if FLAGS.compare:
-        bench_command.check_compare(opts)
+        bench_cli.check_compare(opts)
     if FLAGS.mode == "lower":
-        bench_command.lower(opts)
+        from flaxformer_lite.cli import bench_lowering
+
+        bench_lowering.lower(opts)
         return
     if FLAGS.mode == "input" and FLAGS.config is None:
-        cli.fail("--mode input times a run config's input pipeline: pass --config configs/...")
+        common.fail("--mode input times a run config's input pipeline: pass --config configs/...")
     compilation_cache.enable(FLAGS.compilation_cache_dir)
-    cli.report_platform()
-    bench_command.run(opts)
+    common.report_platform()
+    bench_cli.run(opts)
 
 
 if __name__ == "__main__":
-    cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
+    common.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     if any(a.startswith(("--config=", "--config.")) or a == "--config" for a in sys.argv[1:]):
-        cli.check_config_overrides(sys.argv[1:], "")  # one-line errors for bad paths and keys
-    app.run(main, flags_parser=cli.parse_flags)
+        common.check_config_overrides(sys.argv[1:], "")  # one-line errors for bad paths and keys
+    app.run(main, flags_parser=common.parse_flags)

@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import DEFINE_bool, DEFINE_float, DEFINE_integer, DEFINE_string
 
-from flaxformer_lite.tools import cli, compilation_cache
+from flaxformer_lite.cli import common, compilation_cache
 
 FLAGS = flags.FLAGS
 
@@ -86,28 +86,29 @@ def define_flags() -> None:
     )
 
 
-@cli.friendly_errors
+@common.friendly_errors
 def main(argv):
     if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        common.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
-    from flaxformer_lite.translate import command, files
+    from flaxformer_lite.cli import decode as decode_cli
+    from flaxformer_lite.translate import line_io
 
     compilation_cache.enable(FLAGS.compilation_cache_dir)
 
-    values = {name: FLAGS[name].value for name in command.Options.names()}
+    values = {name: FLAGS[name].value for name in decode_cli.Options.names()}
     if FLAGS.report and not FLAGS["beam_size"].present:
         values["beam_size"] = 1  # the report decodes greedily
     try:
-        command.run(command.Options(**values), on_inputs_checked=cli.report_platform)
-    except files.InputError as e:
-        cli.fail(str(e))
+        decode_cli.run(decode_cli.Options(**values), on_inputs_checked=common.report_platform)
+    except line_io.InputError as e:
+        common.fail(str(e))
 
 
 if __name__ == "__main__":
-    cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
+    common.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     define_flags()
-    cli.define_host_malloc_flag()
+    common.define_host_malloc_flag()
     compilation_cache.define_flag()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=common.parse_flags)

@@ -13,7 +13,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import DEFINE_float, DEFINE_integer, DEFINE_string
 
-from flaxformer_lite.tools import cli, compilation_cache
+from flaxformer_lite.cli import common, compilation_cache
 
 FLAGS = flags.FLAGS
 
@@ -29,29 +29,29 @@ def define_flags() -> None:
     DEFINE_integer("batch_size", 64, "Sentences per model call.", lower_bound=1)
 
 
-@cli.friendly_errors
+@common.friendly_errors
 def main(argv):
     if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        common.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax and TFDS are chatty at INFO/WARNING
-    from flaxformer_lite.tools import distill
-    from flaxformer_lite.translate import files
+    from flaxformer_lite.cli import distill
+    from flaxformer_lite.translate import distillation, line_io
 
     compilation_cache.enable(FLAGS.compilation_cache_dir)
 
     values = {name: FLAGS[name].value for name in distill.Options.names()}
     try:
-        manifest = distill.run(distill.Options(**values), on_inputs_checked=cli.report_platform)
-    except files.InputError as e:
-        cli.fail(str(e))
+        manifest = distill.run(distill.Options(**values), on_inputs_checked=common.report_platform)
+    except line_io.InputError as e:
+        common.fail(str(e))
     print("train on it with:", file=sys.stderr, flush=True)
-    print(distill.shell_line(manifest["train_flags"]), flush=True)
+    print(distillation.shell_line(manifest["train_flags"]), flush=True)
 
 
 if __name__ == "__main__":
-    cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
+    common.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     define_flags()
-    cli.define_host_malloc_flag()
+    common.define_host_malloc_flag()
     compilation_cache.define_flag()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=common.parse_flags)

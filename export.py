@@ -16,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import DEFINE_enum, DEFINE_integer, DEFINE_string
 
-from flaxformer_lite.tools import cli, compilation_cache
+from flaxformer_lite.cli import common, compilation_cache
 
 FLAGS = flags.FLAGS
 
@@ -43,25 +43,25 @@ def define_flags() -> None:
     DEFINE_integer("probes", 16, "Probe pairs scored by both models.", lower_bound=1)
 
 
-@cli.friendly_errors
+@common.friendly_errors
 def main(argv):
     if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        common.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax is chatty at INFO/WARNING
-    from flaxformer_lite.export import command
+    from flaxformer_lite.cli import export as export_cli
     from flaxformer_lite.export.layout import ExportError
 
     compilation_cache.enable(FLAGS.compilation_cache_dir)
 
-    values = {name: FLAGS[name].value for name in command.Options.__dataclass_fields__}
+    values = {name: FLAGS[name].value for name in export_cli.Options.__dataclass_fields__}
     try:
-        command.export(command.Options(**values))
+        export_cli.export(export_cli.Options(**values))
     except ExportError as e:
-        cli.fail(str(e))
+        common.fail(str(e))
 
 
 if __name__ == "__main__":
     define_flags()
     compilation_cache.define_flag()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=common.parse_flags)

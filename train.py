@@ -16,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from flaxformer_lite.tools import cli, compilation_cache
+from flaxformer_lite.cli import common, compilation_cache
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 FLAGS = flags.FLAGS
@@ -58,72 +58,22 @@ def define_flags() -> None:
     )
 
 
-@cli.friendly_errors
+@common.friendly_errors
 def main(argv):
     if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        common.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax and TFDS are chatty at INFO/WARNING
-    from flaxformer_lite.config import run as run_config
-    from flaxformer_lite.parallel import distributed
-    from flaxformer_lite.tools import dry_run
+    from flaxformer_lite.cli import train
 
-    if FLAGS.dry_run:
-        dry_run.print_parameter_table(run_config.validate(FLAGS.config))
-        return
-    # A bad value fails here, in one line, before waiting for other hosts or reading data;
-    # what depends on the platform (a forced kernel, a dtype "auto") is settled once the job
-    # is joined, since JAX's backends must not start before jax.distributed.initialize.
-    run_config.validate(FLAGS.config, platform=False)
-    from tqdm import tqdm
-
-    # tqdm.write: a hit during training does not tear the progress bar.
-    compilation_cache.enable(
-        FLAGS.compilation_cache_dir, log=lambda s: tqdm.write(s, file=sys.stderr)
-    )
-    try:
-        # Before anything touches devices: the processes must first find each other.
-        distributed.initialize_distributed(
-            FLAGS.coordinator_address,
-            FLAGS.num_processes,
-            FLAGS.process_id,
-            heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
-        )
-    except distributed.DistributedError as e:
-        cli.fail(str(e))
-    import jax
-
-    from flaxformer_lite.training import evaluate, loop
-    from flaxformer_lite.training.nonfinite import NonFiniteError
-    from flaxformer_lite.training.preemption import Preempted
-
-    try:
-        run = run_config.validate(FLAGS.config)  # the config is parsed once, here
-        results = loop.train_and_evaluate(run, FLAGS.workdir, on_checked=cli.report_platform)
-    except Preempted as e:  # a clean stop: the checkpoint is saved, rerunning resumes
-        if jax.process_index() == 0:
-            print(str(e), file=sys.stderr)
-        return
-    except distributed.DistributedError as e:
-        cli.fail(str(e))
-    except NonFiniteError as e:
-        cli.fail(str(e), code=1)
-    if jax.process_index() == 0:
-        # The exposure report's details are in metrics.jsonl and its printed table.
-        shown = {k: v for k, v in results.items() if not evaluate.is_exposure_detail(k)}
-        print(
-            " ".join(
-                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()
-            )
-        )
-        sys.stdout.flush()
+    train.run(train.Options(**{name: FLAGS[name].value for name in train.Options.names()}))
 
 
 if __name__ == "__main__":
-    cli.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
+    common.set_host_malloc(sys.argv[1:])  # before anything starts JAX's threads
     # Overrides are applied while the config flag is defined, so check them first.
-    cli.check_config_overrides(sys.argv[1:], _DEFAULT_CONFIG)
+    common.check_config_overrides(sys.argv[1:], _DEFAULT_CONFIG)
     define_flags()
-    cli.define_host_malloc_flag()
+    common.define_host_malloc_flag()
     compilation_cache.define_flag()
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=common.parse_flags)

@@ -17,4 +17,4 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # JAX and torch share the GPU in the comparison: JAX takes 60% of it, not 75%.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
-exec python3 -m flaxformer_lite.tools.device_check "$@"
+exec python3 -m flaxformer_lite.benchmarks.device_check "$@"

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
+from flaxformer_lite.atomic_files import atomic_write
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
-from flaxformer_lite.files import atomic_write
 
 _MODEL_TYPES = ("unigram", "bpe", "char", "word")
 

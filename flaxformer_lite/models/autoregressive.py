@@ -27,9 +27,8 @@ from flaxformer_lite.models.copy_transformer import CopyTransformer
 from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import Transformer, token_validity
 from flaxformer_lite.nn.subsampling import subsampled_validity
-from flaxformer_lite.objectives import cross_entropy
+from flaxformer_lite.objectives import copy_loss, cross_entropy
 from flaxformer_lite.objectives import guided_attention as ga
-from flaxformer_lite.objectives import pointer_generator as copy_loss
 from flaxformer_lite.objectives import scheduled_sampling as ss
 
 

@@ -41,7 +41,7 @@ from flaxformer_lite.models.nat_transformer import NATransformer
 from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import token_validity
 from flaxformer_lite.objectives import cross_entropy
-from flaxformer_lite.objectives import non_autoregressive as objective
+from flaxformer_lite.objectives import nat_loss as objective
 from flaxformer_lite.search import non_autoregressive as search_lib
 
 LENGTH_MODES = ("predict", "fixed")

@@ -46,7 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from flaxformer_lite import files
+from flaxformer_lite import atomic_files
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.training.checkpoint_checks import (
     all_processes as _all_processes,
@@ -419,7 +419,7 @@ class Checkpointer:
         meta["best_metric"], meta["best_mode"] = self.best_metric, self.best_mode
         if jax.process_index() == 0:
             path = os.path.join(self.directory, str(step), META_ITEM, "metadata")
-            files.atomic_write(path, json.dumps(meta).encode())
+            atomic_files.atomic_write(path, json.dumps(meta).encode())
         _barrier(f"metrics of step {step}")
         self._metrics[step] = meta["metrics"]
         self._apply_retention()

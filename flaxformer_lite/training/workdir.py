@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
-from flaxformer_lite import files
+from flaxformer_lite import atomic_files
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.config.run import RunConfig
 
@@ -98,7 +98,9 @@ def claim_workdir(
         return True
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
-        files.atomic_write(marker, json.dumps(run.to_json(), indent=2, sort_keys=True).encode())
+        atomic_files.atomic_write(
+            marker, json.dumps(run.to_json(), indent=2, sort_keys=True).encode()
+        )
     return False
 
 

@@ -17,11 +17,11 @@ from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.evaluation import exposure_bias, exposure_probe
 from flaxformer_lite.models import predict
 from flaxformer_lite.translate import runner, scoring
-from flaxformer_lite.translate.files import InputError
+from flaxformer_lite.translate.line_io import InputError
 
 
 def check_options(o) -> None:
-    """Refuses flags that contradict --report (a `command.Options`), in one line."""
+    """Refuses flags that contradict --report (a `cli.decode.Options`), in one line."""
     if not o.report:
         return
     if not o.reference:

@@ -10,7 +10,7 @@ import numpy as np
 from flaxformer_lite.bleu import corpus_scores
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
-from flaxformer_lite.translate.files import InputError
+from flaxformer_lite.translate.line_io import InputError
 
 
 def check_line_counts(num_inputs: int, num_references: int) -> None:

@@ -30,7 +30,7 @@ from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vo
 from flaxformer_lite.models import predict
 from flaxformer_lite.training import checkpoints
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, load_run_config
-from flaxformer_lite.translate.files import InputError
+from flaxformer_lite.translate.line_io import InputError
 
 # Workdir and search settings.
 

@@ -29,7 +29,7 @@ from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.translate import runner
-from flaxformer_lite.translate.files import InputError
+from flaxformer_lite.translate.line_io import InputError
 
 
 @dataclasses.dataclass

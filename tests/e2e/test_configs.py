@@ -204,7 +204,7 @@ PARAMETER_COUNTS = {
 
 
 def _parameter_count(config) -> int:
-    from flaxformer_lite.tools import dry_run
+    from flaxformer_lite.training import dry_run
 
     params = dry_run.abstract_params(run_config.parse(config))
     return sum(row[2] for row in dry_run.parameter_table(params))

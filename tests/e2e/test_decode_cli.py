@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.translate import files, reports, runner
+from flaxformer_lite.translate import line_io, reports, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -71,7 +71,7 @@ def greedy(run_config, **kw):
 def test_read_lines(tmp_path, data, lines, invalid):
     path = tmp_path / "in.txt"
     path.write_bytes(data)
-    assert files.read_lines(str(path)) == (lines, invalid)
+    assert line_io.read_lines(str(path)) == (lines, invalid)
 
 
 def test_buckets_and_batch_plan():
@@ -84,10 +84,10 @@ def test_buckets_and_batch_plan():
 
 
 def test_format_line_keeps_one_line_per_input():
-    assert files.format_line([("a\nb\tc\r", -1.0)]) == "a b c "
-    line = files.format_line([("x\ty", -0.5), ("z", -1.25)], nbest=2)
+    assert line_io.format_line([("a\nb\tc\r", -1.0)]) == "a b c "
+    line = line_io.format_line([("x\ty", -0.5), ("z", -1.25)], nbest=2)
     assert line == "x y\t-0.5000\tz\t-1.2500"
-    assert files.format_line([], nbest=3) == ""
+    assert line_io.format_line([], nbest=3) == ""
 
 
 def test_make_search_methods_and_errors():
@@ -104,14 +104,14 @@ def test_make_search_methods_and_errors():
         dict(top_p=0.9),
         dict(min_len=16),
     ):
-        with pytest.raises(files.InputError):
+        with pytest.raises(line_io.InputError):
             runner.make_search(rc, **kw)
 
 
 def test_bleu_report_has_signature_and_checks_counts():
     report = reports.bleu_report(["forty-two", "zwei"], ["forty-two", "drei"])
     assert "BLEU|nrefs:1|" in report and "chrF2|nrefs:1|" in report
-    with pytest.raises(files.InputError, match="1 lines but the input has 2"):
+    with pytest.raises(line_io.InputError, match="1 lines but the input has 2"):
         reports.bleu_report(["a", "b"], ["a"])
 
 
@@ -124,7 +124,7 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     model, params, tokenizer, run_config = loaded
     path = tmp_path / "mixed.txt"
     path.write_bytes(MIXED)
-    lines, invalid = files.read_lines(str(path))
+    lines, invalid = line_io.read_lines(str(path))
     assert len(lines) == 7 and invalid == 1
     result = runner.decode_lines(
         model, params, tokenizer, run_config, lines, search=greedy(run_config), batch_size=4
@@ -136,7 +136,7 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     assert result.sources.num_unknown >= 1  # U+FFFD is not in the vocabulary
     assert len(result.sources.ids[3]) == run_config.data.max_source_len
     assert result.sources.ids[3][-1] == runner.EOS_ID
-    with pytest.raises(files.InputError, match=r"\(line 4\)"):
+    with pytest.raises(line_io.InputError, match=r"\(line 4\)"):
         runner.decode_lines(
             model, params, tokenizer, run_config, lines, search=greedy(run_config), strict=True
         )

@@ -1,4 +1,4 @@
-"""distill.py and tools/distill.py on one tiny trained number-task workdir.
+"""distill.py, cli/distill.py and translate/distillation.py on one tiny trained number-task workdir.
 
 The distilled corpus is checked against the run's own splits (one target per training
 example, in order; gold validation and test targets) and against decoding every training
@@ -19,14 +19,14 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from flaxformer_lite import datasets
+from flaxformer_lite.cli import distill
 from flaxformer_lite.config import run as run_config_lib
 from flaxformer_lite.config import sections
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.data import common
 from flaxformer_lite.models import from_config
-from flaxformer_lite.tools import distill
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
-from flaxformer_lite.translate import files, runner
+from flaxformer_lite.translate import distillation, line_io, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 BEAM = dict(beam_size=2, alpha=0.6)
@@ -39,7 +39,7 @@ def run_script(script, *args):
 
 
 def read(path):
-    return files.read_lines(str(path))[0]
+    return line_io.read_lines(str(path))[0]
 
 
 def data_splits(workdir):
@@ -130,7 +130,7 @@ def test_targets_equal_decoding_every_training_source(distilled, splits, loaded)
     result = runner.decode_lines(
         model, params, tokenizer, run_config, sources, search=search, batch_size=7
     )
-    targets = [files.format_line(h) for h in result.hypotheses]
+    targets = [line_io.format_line(h) for h in result.hypotheses]
     assert read(out / "train.tgt") == targets
     gold = common.texts(splits["train"], "target")
     changed = sum(t != g for t, g in zip(targets, gold))
@@ -150,7 +150,7 @@ def test_blank_sources_stay_blank_and_repeats_share_one_decode(loaded):
     model, params, tokenizer, run_config = loaded
     search = runner.make_search(run_config, **BEAM)
     lines = ["", "en 5", "   ", "en 5", "de 12"]
-    got = distill.distill_targets(
+    got = distillation.distill_targets(
         model, params, tokenizer, run_config, lines, search=search, log=lambda s: None
     )
     assert got.num_distinct == 4
@@ -166,7 +166,7 @@ def test_blank_sources_stay_blank_and_repeats_share_one_decode(loaded):
 
 def test_corpus_lines_stay_one_line_each(tmp_path):
     lines = ["a\tb", "x\ny", "", "r\r\ns", "end\r"]
-    distill.write_corpus(str(tmp_path / "c"), {"train.src": lines}, {"n": 1})
+    distillation.write_corpus(str(tmp_path / "c"), {"train.src": lines}, {"n": 1})
     assert read(tmp_path / "c" / "train.src") == ["a\tb", "x y", "", "r s", "end "]
     assert json.loads((tmp_path / "c" / "distill.json").read_text()) == {"n": 1}
 
@@ -174,7 +174,7 @@ def test_corpus_lines_stay_one_line_each(tmp_path):
 def test_write_corpus_fills_an_empty_directory_with_readable_files(tmp_path):
     out = tmp_path / "c"
     out.mkdir()
-    distill.write_corpus(str(out), {"train.src": ["a"]}, {})
+    distillation.write_corpus(str(out), {"train.src": ["a"]}, {})
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(out / "train.src").st_mode & 0o777 == 0o666 & ~umask
@@ -191,7 +191,7 @@ def test_interrupted_write_leaves_no_corpus(tmp_path, monkeypatch):
 
     monkeypatch.setattr(distill, "atomic_write", failing)
     with pytest.raises(KeyboardInterrupt):
-        distill.write_corpus(str(tmp_path / "c"), {"train.src": ["a"], "train.tgt": ["b"]}, {})
+        distillation.write_corpus(str(tmp_path / "c"), {"train.src": ["a"], "train.tgt": ["b"]}, {})
     assert os.listdir(tmp_path) == []
 
 
@@ -203,8 +203,8 @@ def test_write_corpus_refuses_existing_data(tmp_path, kind):
     else:
         out.mkdir()
         (out / "train.src").write_text("keep\n")
-    with pytest.raises(files.InputError, match="pass a new"):
-        distill.write_corpus(str(out), {"train.src": ["new"]}, {})
+    with pytest.raises(line_io.InputError, match="pass a new"):
+        distillation.write_corpus(str(out), {"train.src": ["new"]}, {})
     kept = out if kind == "file" else out / "train.src"
     assert kept.read_text() == "keep\n"
     assert sorted(os.listdir(tmp_path)) == ["c"]
@@ -242,11 +242,11 @@ def test_missing_workdir_or_checkpoint_is_refused_before_writing(workdir, tmp_pa
 
 def test_languages_and_flags():
     data = sections.DataConfig(dataset="parallel_text", source_lang="en", target_lang="de")
-    assert distill.languages(data) == ("en", "de")
-    assert distill.languages(sections.DataConfig()) == ("src", "tgt")
-    flags = distill.train_flags("/c d/kd", ("en", "de"), {"validation": "val"})
+    assert distillation.languages(data) == ("en", "de")
+    assert distillation.languages(sections.DataConfig()) == ("src", "tgt")
+    flags = distillation.train_flags("/c d/kd", ("en", "de"), {"validation": "val"})
     assert flags[-1] == "--config.data.split_names={'validation': 'val'}"
-    assert shlex.split(distill.shell_line(flags)) == flags
+    assert shlex.split(distillation.shell_line(flags)) == flags
 
 
 def test_the_printed_flags_load_the_corpus(distilled, tfds_dir):
@@ -271,7 +271,7 @@ def test_the_printed_flags_load_the_corpus(distilled, tfds_dir):
 def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
     out, manifest, _, _ = distilled
     student = str(tmp_path / "student")
-    flags = shlex.split(distill.shell_line(manifest["train_flags"]))
+    flags = shlex.split(distillation.shell_line(manifest["train_flags"]))
     result = run_script(
         *("train.py", "--config", "configs/tiny.py", "--workdir", student, *flags),
         *(f"--config.data.tfds_dir={tfds_dir}", "--config.train.num_steps=2"),
@@ -292,7 +292,7 @@ def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     manifest2 = json.loads((again / "distill.json").read_text())
-    assert result.stdout.decode() == distill.shell_line(manifest2["train_flags"]) + "\n"
+    assert result.stdout.decode() == distillation.shell_line(manifest2["train_flags"]) + "\n"
     assert f"distilled {len(pairs)} training line(s)" in result.stderr.decode()
     assert manifest2["dataset"] == "parallel_text" and manifest2["step"] == 2
     assert read(again / "train.src") == [s for s, _ in pairs]
@@ -310,7 +310,7 @@ def test_a_relative_corpus_dir_names_where_to_run(workdir, monkeypatch, tmp_path
     )
     run_config = dataclasses.replace(run_config, data=data)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(files.InputError, match="run distill.py from the directory train.py ran"):
-        distill.teacher_data(run_config)
+    with pytest.raises(line_io.InputError, match="run distill.py from the directory train.py ran"):
+        distillation.teacher_data(run_config)
     (tmp_path / "corpora" / "m30k").mkdir(parents=True)
-    assert distill.teacher_data(run_config).corpus_dir == "corpora/m30k"
+    assert distillation.teacher_data(run_config).corpus_dir == "corpora/m30k"

@@ -24,10 +24,11 @@ from conftest import ROOT, tiny_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from flaxformer_lite.cli import decode as decode_cli
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.models import from_config
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
-from flaxformer_lite.translate import command, files, runner
+from flaxformer_lite.translate import line_io, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 BOM = b"\xef\xbb\xbf"
@@ -142,13 +143,13 @@ def decode_file(workdir: str, data: bytes, directory: str, params=None):
     with open(src, "wb") as f:
         f.write(data)
     messages = []
-    options = command.Options(workdir=workdir, input=src, output=out, beam_size=1, batch_size=2)
+    options = decode_cli.Options(workdir=workdir, input=src, output=out, beam_size=1, batch_size=2)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(command, "log", messages.append))
+        stack.enter_context(mock.patch.object(decode_cli, "log", messages.append))
         if params is not None:
             read = mock.patch.object(restore, "restore_params", return_value=(params, None))
             stack.enter_context(read)
-        command.run(options)
+        decode_cli.run(options)
     with open(out, "rb") as f:
         return f.read(), messages
 
@@ -169,7 +170,7 @@ def decode_alone(loaded):
     def decode(text: str) -> str:
         if text not in memo:
             result = runner.decode_lines(model, params, vocab, run_config, [text], search=search)
-            memo[text] = files.format_line(result.hypotheses[0])
+            memo[text] = line_io.format_line(result.hypotheses[0])
         return memo[text]
 
     return decode
@@ -186,7 +187,7 @@ def check_decoded(data, output, messages, vocab, run_config, decode_alone) -> No
     assert len(text.splitlines()) == len(raw)
     outputs = text.split("\n")[:-1]
 
-    lines, num_bad = files.read_lines(io.BytesIO(data))
+    lines, num_bad = line_io.read_lines(io.BytesIO(data))
     assert lines == [r.decode("utf-8", "replace").replace("\0", "\ufffd") for r in raw]
     assert num_bad == sum(b"\0" in r or not is_utf8(r) for r in raw)
     assert warning_count(messages, "invalid UTF-8 or NUL bytes") == num_bad
@@ -354,8 +355,8 @@ def copy_workdir(workdir: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("case", ["empty", "truncated", "text", "pickle", "directory"])
 def test_corrupted_vocabulary_is_refused_in_one_line(workdir, tmp_path, case):
+    from flaxformer_lite.cli import common
     from flaxformer_lite.data import tokenizer
-    from flaxformer_lite.tools import cli
     from flaxformer_lite.training import load_state
 
     with pytest.raises(tokenizer.VocabularyFileError):  # not a traceback of SentencePiece's
@@ -378,7 +379,7 @@ def test_corrupted_vocabulary_is_refused_in_one_line(workdir, tmp_path, case):
             f.write(content)
     for load in (runner.open_workdir, load_state.restore_trained):
         # The command lines print these as one `error: ...` line, exit status 2.
-        with pytest.raises(cli.user_errors()) as raised:
+        with pytest.raises(common.user_errors()) as raised:
             load(copy)
         message = str(raised.value)
         assert path in message and "\n" not in message and "INTERNAL" not in message

@@ -11,7 +11,7 @@ from conftest import ROOT, tiny_config
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.constants import EOS_ID
 from flaxformer_lite.models import from_config
-from flaxformer_lite.translate import files, scoring
+from flaxformer_lite.translate import line_io, scoring
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 SOURCES = ["en 12", "", "de 45", "en 7", "de 3"]
@@ -53,7 +53,7 @@ def test_tokenize_targets_ends_in_eos_and_truncates():
     targets = scoring.tokenize_targets(Chars(), ["ab", "", "abcdef"], 4)
     assert targets.ids == [[97, 98, eos], [eos], [97, 98, 99, eos]]
     assert targets.num_truncated == 1
-    with pytest.raises(files.InputError, match=r"\(line 3\)"):
+    with pytest.raises(line_io.InputError, match=r"\(line 3\)"):
         scoring.tokenize_targets(Chars(), ["ab", "", "abcdef"], 4, strict=True)
 
 

@@ -155,7 +155,7 @@ sys.path.insert(0, {root!r})
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.parallel import partitioning
-from flaxformer_lite.tools import hlo_report
+from flaxformer_lite.benchmarks import hlo_report
 from flaxformer_lite.training.state import create_state
 from flaxformer_lite.training.step import jit_train_step
 

@@ -86,12 +86,13 @@ def test_decode_reads_wav_files_as_training_reads_features(tone_run, tmp_path):
     """decode.py's WAV lines give the greedy outputs of the training batch path."""
     import jax
 
+    from flaxformer_lite.cli import decode as decode_cli
     from flaxformer_lite.data import batching
     from flaxformer_lite.data.audio_features import speech_features, write_wav
     from flaxformer_lite.data.spoken_numbers import tones
     from flaxformer_lite.models.predict import SearchConfig
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import command, files
+    from flaxformer_lite.translate import line_io
 
     config, workdir, _, _ = tone_run
     paths = []
@@ -105,7 +106,7 @@ def test_decode_reads_wav_files_as_training_reads_features(tone_run, tmp_path):
     refs.write_text("12\n\n7\n31\n")
     out = tmp_path / "out.txt"
     options = dict(workdir=workdir, input=str(listing), beam_size=1, batch_size=2)
-    command.run(command.Options(**options, output=str(out), reference=str(refs)))
+    decode_cli.run(decode_cli.Options(**options, output=str(out), reference=str(refs)))
     lines = out.read_text().split("\n")
     assert len(lines) == 5 and lines[1] == "" and lines[4] == ""  # 4 lines, one blank
 
@@ -130,11 +131,11 @@ def test_decode_reads_wav_files_as_training_reads_features(tone_run, tmp_path):
 
     # Cross-attention plots over the encoder positions of the speech inputs.
     pngs = tmp_path / "png"
-    command.run(command.Options(**options, output=str(out), attention_png=str(pngs)))
+    decode_cli.run(decode_cli.Options(**options, output=str(out), attention_png=str(pngs)))
     assert sorted(os.listdir(pngs)) == [f"attention_{i:04d}.png" for i in (0, 2, 3)]
 
     listing.write_text(f"{paths[0]}\n{tmp_path / 'missing.wav'}\n")
-    with pytest.raises(files.InputError, match=r"input line 2: .*missing\.wav: cannot be read"):
-        command.run(command.Options(**options, output=str(out)))
-    with pytest.raises(files.InputError, match="--report is not supported for a speech"):
-        command.run(command.Options(**options, reference=str(refs), report=True))
+    with pytest.raises(line_io.InputError, match=r"input line 2: .*missing\.wav: cannot be read"):
+        decode_cli.run(decode_cli.Options(**options, output=str(out)))
+    with pytest.raises(line_io.InputError, match="--report is not supported for a speech"):
+        decode_cli.run(decode_cli.Options(**options, reference=str(refs), report=True))

@@ -177,13 +177,13 @@ def test_local_corpus_with_bucketed_or_packed_batches(tfds_dir, tmp_path, monkey
     # The run's validation BLEU and chrF are decode.py's on the same files with the same
     # (greedy) search: evaluation's fixed batches and the file decoder's length buckets
     # decode alike, and both score the detokenized text with sacreBLEU.
-    from flaxformer_lite.translate import command
+    from flaxformer_lite.cli import decode as decode_cli
 
     assert config.train.eval_search == "greedy"
     logged = []
-    monkeypatch.setattr(command, "log", logged.append)
-    command.run(
-        command.Options(
+    monkeypatch.setattr(decode_cli, "log", logged.append)
+    decode_cli.run(
+        decode_cli.Options(
             workdir=workdir,
             input=str(corpus / "dev.en"),
             output=str(tmp_path / "dev.out"),

@@ -12,15 +12,17 @@ import pytest
 from conftest import tiny_model_config
 from flax import linen as nn
 
+from flaxformer_lite.cli import decode as decode_cli
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.evaluation import exposure_bias as eb
 from flaxformer_lite.evaluation import exposure_probe
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
 from flaxformer_lite.models.base import Seq2SeqModel
-from flaxformer_lite.translate import command, files
 
 # ----------------------------------------------------------------------------
+from flaxformer_lite.translate import line_io
+
 # A bigram model whose every error is known.
 # ----------------------------------------------------------------------------
 
@@ -383,9 +385,9 @@ def _events(path):
 def test_report_flag_errors_are_one_line(tmp_path, changes, words):
     (tmp_path / "r.txt").write_text("x\n")
     changes = {k: str(tmp_path / v) if k == "reference" else v for k, v in changes.items()}
-    options = command.Options(workdir=str(tmp_path / "missing"), report=True, **changes)
-    with pytest.raises(files.InputError) as e:
-        command.run(options)
+    options = decode_cli.Options(workdir=str(tmp_path / "missing"), report=True, **changes)
+    with pytest.raises(line_io.InputError) as e:
+        decode_cli.run(options)
     assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
 
 

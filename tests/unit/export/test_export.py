@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_config, tiny_model_config
 
+from flaxformer_lite.cli import export as export_cli
 from flaxformer_lite.config.run import RunConfig, parse
 from flaxformer_lite.config.variants import CopyHead, NATConfig
-from flaxformer_lite.export import command, int8_check, layout, parity
+from flaxformer_lite.export import int8_check, layout, parity
 from flaxformer_lite.models import from_config
 
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -105,7 +106,7 @@ def test_ctranslate2_scores_equal_ours_on_real_pairs(trained, ct2_dir):
     tgt = [[vocab.target.id_to_piece(i) for i in t] for _, t in pairs]
     got = parity.ctranslate2_scores(translator, src, tgt, None, None)
     assert _ours_vs(model, params, pairs, got) < TOLERANCE
-    with open(os.path.join(ct2_dir, command.MANIFEST)) as f:
+    with open(os.path.join(ct2_dir, export_cli.MANIFEST)) as f:
         manifest = json.load(f)
     assert manifest["max_logprob_difference"] < TOLERANCE and manifest["step"] == 80
     assert os.path.exists(os.path.join(ct2_dir, "vocab.spm"))
@@ -155,7 +156,7 @@ def test_ctranslate2_int8_reports_what_this_machine_computes(workdir, trained, t
     out = tmp_path / "int8"
     proc = _export(workdir, "ctranslate2", out, "--quantization", "int8")
     assert proc.returncode == 0, proc.stderr
-    with open(out / command.MANIFEST) as f:
+    with open(out / export_cli.MANIFEST) as f:
         manifest = json.load(f)
     assert manifest["quantization"] == "int8" and manifest["int8_weight_bits"] == 8
     assert manifest["ct2_int8_backend"] != "backend not reported"
@@ -237,7 +238,7 @@ def test_ctranslate2_int8_without_vnni_warns_and_names_the_fix(workdir, tmp_path
     assert proc.returncode == 0, proc.stderr  # written as asked, with the warning
     warning = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
     assert len(warning) == 1, proc.stderr
-    with open(out / command.MANIFEST) as f:
+    with open(out / export_cli.MANIFEST) as f:
         manifest = json.load(f)
     difference = manifest["max_logprob_difference"]
     assert difference > int8_check.INT8_WARNING
@@ -383,7 +384,7 @@ def test_export_of_an_earlier_step(workdir, tmp_path):
     """--step picks the checkpoint; the export checks itself against that step's model."""
     proc = _export(workdir, "ctranslate2", tmp_path / "s40", "--step", "40", "--probes", "4")
     assert proc.returncode == 0, proc.stderr
-    with open(tmp_path / "s40" / command.MANIFEST) as f:
+    with open(tmp_path / "s40" / export_cli.MANIFEST) as f:
         manifest = json.load(f)
     assert manifest["step"] == 40 and manifest["max_logprob_difference"] < TOLERANCE
     proc = _export(workdir, "ctranslate2", tmp_path / "s7", "--step", "7")
@@ -411,7 +412,7 @@ def test_refusals_are_one_line(workdir, ct2_dir, tmp_path):
 
 def test_compare_benchmark_times_every_engine_on_equal_work():
     """bench.py --compare ctranslate2's figures, at a size that runs in seconds."""
-    from flaxformer_lite.tools import engine_compare
+    from flaxformer_lite.benchmarks import engine_compare
 
     cfg = tiny_model_config(vocab_size=40, dropout_rate=0.0)
     out = engine_compare.compare_decode_benchmark(
@@ -432,7 +433,7 @@ def test_compare_file_bleu_scores_the_same_outputs(workdir, tmp_path):
     """Greedy CTranslate2 fp32 output is ours line for line, so BLEU is equal too."""
     from num2words import num2words
 
-    from flaxformer_lite.tools import engine_compare
+    from flaxformer_lite.benchmarks import engine_compare
 
     source, reference = tmp_path / "src", tmp_path / "ref"
     source.write_text("\n".join(LINES) + "\n")

@@ -25,7 +25,7 @@ from flaxformer_lite.models import layer_layout, predict
 from flaxformer_lite.models import pointer_generator as pg
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
 from flaxformer_lite.models.transformer import Transformer
-from flaxformer_lite.objectives import pointer_generator as copy_loss
+from flaxformer_lite.objectives import copy_loss
 from flaxformer_lite.search import autoregressive as search
 
 V = 24
@@ -443,7 +443,7 @@ def copy_workdir(tmp_path_factory):
 
 
 def test_a_copy_run_trains_and_decode_py_reads_its_extended_ids(copy_workdir, tmp_path):
-    from flaxformer_lite.translate import command
+    from flaxformer_lite.cli import decode as decode_cli
 
     path, results = copy_workdir
     assert np.isfinite(results["test_loss"]) and "test_exact_match" in results
@@ -453,7 +453,7 @@ def test_a_copy_run_trains_and_decode_py_reads_its_extended_ids(copy_workdir, tm
     reference.write_text("twelve\n\nvierŽ\n", encoding="utf-8")
     out = tmp_path / "out.txt"
     plots = tmp_path / "plots"
-    options = command.Options(
+    options = decode_cli.Options(
         workdir=path,
         input=str(source),
         output=str(out),
@@ -461,10 +461,10 @@ def test_a_copy_run_trains_and_decode_py_reads_its_extended_ids(copy_workdir, tm
         reference=str(reference),
         attention_png=str(plots),
     )
-    command.run(options)
+    decode_cli.run(options)
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
     assert sorted(p.name for p in plots.iterdir()) == ["attention_0000.png", "attention_0002.png"]
-    command.run(dataclasses.replace(options, score=True, attention_png=None, beam_size=4))
+    decode_cli.run(dataclasses.replace(options, score=True, attention_png=None, beam_size=4))
     scores = out.read_text(encoding="utf-8").splitlines()
     assert scores[1] == "" and all(float(s) < 0 for s in (scores[0], scores[2]))
 

@@ -22,7 +22,7 @@ from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.nat_transformer import NATransformer, uniform_copy_index
 from flaxformer_lite.models.non_autoregressive import NATSearch, NonAutoregressiveModel
 from flaxformer_lite.models.transformer import Transformer
-from flaxformer_lite.objectives import non_autoregressive as objective
+from flaxformer_lite.objectives import nat_loss as objective
 from flaxformer_lite.search import non_autoregressive as search
 
 MASK = BOS_ID
@@ -408,17 +408,17 @@ def test_nat_section_field_names_are_checked():
 
 
 def test_nat_search_flags_are_checked():
-    from flaxformer_lite.translate import files, runner
+    from flaxformer_lite.translate import line_io, runner
 
     run_config = parse(nat_config(length_mode="fixed"))
     assert run_config.data.max_target_len == 16
-    with pytest.raises(files.InputError, match="--length_scale 2.0 scales predicted lengths"):
+    with pytest.raises(line_io.InputError, match="--length_scale 2.0 scales predicted lengths"):
         runner.make_nat_search(run_config, length_scale=2.0)
-    with pytest.raises(files.InputError, match="--length_beam 2"):
+    with pytest.raises(line_io.InputError, match="--length_beam 2"):
         runner.make_nat_search(run_config, length_beam=2)
     run_config = parse(nat_config(iterations=7))
     assert runner.make_nat_search(run_config) == NATSearch(max_len=16, iterations=7)
-    with pytest.raises(files.InputError, match="--nbest 2 needs"):
+    with pytest.raises(line_io.InputError, match="--nbest 2 needs"):
         runner.make_nat_search(run_config, nbest=2)
 
 
@@ -429,7 +429,7 @@ def test_model_rejects_unknown_settings():
         NonAutoregressiveModel(tiny_model_config(input_features=8), decoder_inputs="copy")
 
 
-# End to end: train.py's loop, then decode.py's command.
+# End to end: train.py's loop, then decode.py's decode_cli.
 
 
 @pytest.fixture(scope="module")
@@ -461,31 +461,32 @@ def test_nat_run_trains_and_evaluates(nat_workdir):
 
 
 def test_decode_cli_options_on_a_nat_workdir(nat_workdir, tmp_path, monkeypatch):
-    from flaxformer_lite.translate import command, files
+    from flaxformer_lite.cli import decode as decode_cli
+    from flaxformer_lite.translate import line_io
 
     path, _ = nat_workdir
     source = tmp_path / "in.txt"
     source.write_text("en 12\n\nde 45\n", encoding="utf-8")
     out = tmp_path / "out.txt"
-    options = command.Options(
+    options = decode_cli.Options(
         workdir=path, input=str(source), output=str(out), iterations=3, length_beam=2, nbest=2
     )
-    command.run(options)
+    decode_cli.run(options)
     lines = out.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 3 and lines[1] == "" and lines[0].count("\t") == 3  # 2 hyps, 2 scores
     reference = tmp_path / "ref.txt"
     reference.write_text("zwölf\nnull\nfünfundvierzig\n", encoding="utf-8")
     logged = []
-    monkeypatch.setattr(command, "log", logged.append)
-    command.run(dataclasses.replace(options, reference=str(reference), nbest=1))
+    monkeypatch.setattr(decode_cli, "log", logged.append)
+    decode_cli.run(dataclasses.replace(options, reference=str(reference), nbest=1))
     assert any(line.startswith("multi-modality: ") and "of 2 outputs" in line for line in logged)
     for bad, words in [
         (dict(temperature=0.5), "--temperature"),
         (dict(report=True, reference=str(source)), "--report"),
         (dict(nbest=3, length_beam=2), "--nbest 3"),
     ]:
-        with pytest.raises(files.InputError, match=words):
-            command.run(dataclasses.replace(options, **bad))
+        with pytest.raises(line_io.InputError, match=words):
+            decode_cli.run(dataclasses.replace(options, **bad))
 
 
 def test_multimodality_shares_on_hand_made_outputs():

@@ -83,7 +83,7 @@ from conftest import tiny_model_config
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.parallel import partitioning
-from flaxformer_lite.tools import hlo_report
+from flaxformer_lite.benchmarks import hlo_report
 
 jax.config.update("jax_default_matmul_precision", "highest")
 assert jax.device_count() == 8, jax.devices()

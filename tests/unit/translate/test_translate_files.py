@@ -1,11 +1,11 @@
-"""translate/files.py and translate/reports.py: line I/O, path checks, messages (no model)."""
+"""translate/line_io.py and translate/reports.py: line I/O, path checks, messages (no model)."""
 
 import io
 import types
 
 import pytest
 
-from flaxformer_lite.translate import files, reports, runner
+from flaxformer_lite.translate import line_io, reports, runner
 
 
 @pytest.mark.parametrize(
@@ -18,38 +18,38 @@ from flaxformer_lite.translate import files, reports, runner
     ],
 )
 def test_read_lines_from_a_file_object(data, lines, invalid):
-    assert files.read_lines(io.BytesIO(data)) == (lines, invalid)
+    assert line_io.read_lines(io.BytesIO(data)) == (lines, invalid)
 
 
 def test_write_lines_is_atomic_and_newline_terminated(tmp_path, capsys):
     path = tmp_path / "out.txt"
     path.write_text("old\n")
-    files.write_lines(str(path), ["ä", ""])
+    line_io.write_lines(str(path), ["ä", ""])
     assert path.read_bytes() == "ä\n\n".encode()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # no temporary left
-    files.write_lines(None, ["x"])
+    line_io.write_lines(None, ["x"])
     assert capsys.readouterr().out == "x\n"
 
 
 def test_check_paths_names_the_flag(tmp_path):
     there = tmp_path / "in.txt"
     there.write_text("a\n")
-    files.check_paths((("input", str(there)), ("reference", None)), str(tmp_path / "out.txt"))
-    files.check_paths((("input", "-"),), "-")
+    line_io.check_paths((("input", str(there)), ("reference", None)), str(tmp_path / "out.txt"))
+    line_io.check_paths((("input", "-"),), "-")
     cases = [
         ((("reference", str(tmp_path / "nope")),), None, "--reference: file"),
         ((), str(tmp_path), "is a directory"),
         ((), str(tmp_path / "no" / "out.txt"), "does not exist"),
     ]
     for inputs, output, words in cases:
-        with pytest.raises(files.InputError, match=words):
-            files.check_paths(inputs, output)
+        with pytest.raises(line_io.InputError, match=words):
+            line_io.check_paths(inputs, output)
 
 
 def test_clean_and_format_line():
-    assert files.clean("a\u2028b\x85c\td") == "a b c d"
-    assert files.format_line([("x", -0.5), ("y", -1.0)], nbest=2) == "x\t-0.5000\ty\t-1.0000"
-    assert files.format_line([("x", -0.5), ("y", -1.0)]) == "x"
+    assert line_io.clean("a\u2028b\x85c\td") == "a b c d"
+    assert line_io.format_line([("x", -0.5), ("y", -1.0)], nbest=2) == "x\t-0.5000\ty\t-1.0000"
+    assert line_io.format_line([("x", -0.5), ("y", -1.0)]) == "x"
 
 
 def test_warnings_and_summary():
@@ -73,7 +73,7 @@ def test_check_attention_layer_and_line_counts():
     reports.check_attention_layer(-2, 2)
     reports.check_attention_layer(1, 2)
     for layer in (2, -3):
-        with pytest.raises(files.InputError, match="out of range for 2 layer"):
+        with pytest.raises(line_io.InputError, match="out of range for 2 layer"):
             reports.check_attention_layer(layer, 2)
-    with pytest.raises(files.InputError, match="--reference has 1 lines but the input has 2"):
+    with pytest.raises(line_io.InputError, match="--reference has 1 lines but the input has 2"):
         reports.check_line_counts(2, 1)

@@ -1,6 +1,6 @@
 """How long a checkpoint save holds up training: synchronous against asynchronous saves.
 
-  python -m flaxformer_lite.tools.checkpoint_benchmark --config configs/wmt14_ende_base.py
+  python -m flaxformer_lite.benchmarks.checkpoint_saves --config configs/wmt14_ende_base.py
 
 Builds the config's model and Adam state, then runs `--steps` train steps on a
 random batch and saves every `--save_every` steps, first with one kind of save
@@ -68,9 +68,9 @@ def main() -> None:
 
     import optax
 
+    from flaxformer_lite.benchmarks.train_speed import _random_batch
     from flaxformer_lite.models.autoregressive import AutoregressiveModel
     from flaxformer_lite.parallel import partitioning
-    from flaxformer_lite.tools.benchmark import _random_batch
     from flaxformer_lite.training.state import create_state
     from flaxformer_lite.training.step import jit_train_step
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.cli import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +89,13 @@ def _model_args(opts: Options) -> list[str]:
 
 
 def _sweep(opts: Options, results):
-    from flaxformer_lite.tools import benchmark
+    from flaxformer_lite.benchmarks import train_speed
 
-    config, peak = model_config(opts), benchmark.matmul_peak()
+    config, peak = model_config(opts), train_speed.matmul_peak()
     quiet = lambda s: None  # noqa: E731
     print("step time vs batch (length 64/64):")
     for b in (4, 8, 16, 32):
-        r = benchmark.train_benchmark(config, batch=b, steps=3, peak_flops=peak, log=quiet)
+        r = train_speed.train_benchmark(config, batch=b, steps=3, peak_flops=peak, log=quiet)
         results[f"sweep_batch{b}"] = r
         print(
             f"  batch {b:>3}: {r['step_s']:.3f} s  {r['tokens_per_s']:.0f} tokens/s  "
@@ -103,7 +103,7 @@ def _sweep(opts: Options, results):
         )
     print("step time vs length (batch 16):")
     for n in (32, 64, 128):
-        r = benchmark.train_benchmark(
+        r = train_speed.train_benchmark(
             config, batch=16, source_len=n, target_len=n, steps=3, peak_flops=peak, log=quiet
         )
         results[f"sweep_len{n}"] = r
@@ -144,15 +144,15 @@ def _length_sweep(opts: Options, log) -> list[dict]:
     """--length_sweep: full vs local encoder self-attention, step time and memory vs length."""
     import jax
 
-    from flaxformer_lite.tools import length_sweep
+    from flaxformer_lite.benchmarks import length_sweep
 
     f = opts.flags
     try:
         lengths = [int(n) for n in f.length_sweep]
     except ValueError:
-        cli.fail(f"--length_sweep takes integers, got {','.join(f.length_sweep)}")
+        common.fail(f"--length_sweep takes integers, got {','.join(f.length_sweep)}")
     if any(n < 1 for n in lengths):
-        cli.fail("--length_sweep lengths must be positive")
+        common.fail("--length_sweep lengths must be positive")
     sizes = {"d_model": 256, "num_heads": 4, "d_ff": 1024, "num_layers": 2, "dtype": "float32"}
     given = {name: getattr(f, name) for name in sizes if name in opts.present}
     sizes.update(given)
@@ -192,13 +192,13 @@ def check_compare(opts: Options) -> None:
         _check_compare_ctranslate2(opts.flags)
         return
     if opts.flags.mode not in ("all", "train"):
-        cli.fail(
+        common.fail(
             f"--compare times training; use it with --mode train or all, not {opts.flags.mode}"
         )
     try:
         import torch  # noqa: F401
     except ImportError:
-        cli.fail(
+        common.fail(
             f"--compare {opts.flags.compare} needs PyTorch, which is not installed; "
             'pip install -e ".[torch]"'
         )
@@ -206,28 +206,30 @@ def check_compare(opts: Options) -> None:
 
 def _check_compare_ctranslate2(f) -> None:
     if f.mode != "decode":
-        cli.fail(f"--compare ctranslate2 times decoding; use it with --mode decode, not {f.mode}")
+        common.fail(
+            f"--compare ctranslate2 times decoding; use it with --mode decode, not {f.mode}"
+        )
     try:
         import ctranslate2  # noqa: F401
     except ImportError:
-        cli.fail("--compare ctranslate2 needs CTranslate2, which is not installed; "
+        common.fail("--compare ctranslate2 needs CTranslate2, which is not installed; "
                  'pip install -e ".[export]"')  # fmt: skip
     try:
         batches = [int(b) for b in f.compare_batches]
     except ValueError:
         batches = []
     if not batches or min(batches) < 1:
-        cli.fail(f"--compare_batches takes positive integers, got {','.join(f.compare_batches)}")
+        common.fail(f"--compare_batches takes positive integers, got {','.join(f.compare_batches)}")
     given = [f.compare_workdir, f.compare_input, f.compare_reference]
     if any(given) and not all(given):
-        cli.fail("--compare_workdir, --compare_input and --compare_reference go together")
+        common.fail("--compare_workdir, --compare_input and --compare_reference go together")
     for path in given[1:]:
         if path and not os.path.isfile(path):
-            cli.fail(f"{path} is not a file")
+            common.fail(f"{path} is not a file")
 
 
 def _compare_ctranslate2(f, config, log) -> dict:
-    from flaxformer_lite.tools import engine_compare
+    from flaxformer_lite.benchmarks import engine_compare
 
     log(
         f"decoding against CTranslate2 on the same (random) weights: source {f.source_len}, "
@@ -267,7 +269,7 @@ def _describe(config, log) -> None:
 
 
 def _train(f, config, log) -> dict:
-    from flaxformer_lite.tools import benchmark
+    from flaxformer_lite.benchmarks import train_speed
 
     log(
         f"training: batch {f.batch} x {f.source_len} source x {f.target_len} "
@@ -276,11 +278,11 @@ def _train(f, config, log) -> dict:
     shapes = dict(batch=f.batch, source_len=f.source_len, target_len=f.target_len)
     sampling = _scheduled_sampling(f)
     if sampling is not None:
-        return benchmark.scheduled_sampling_benchmark(
+        return train_speed.scheduled_sampling_benchmark(
             config, sampling, repeats=f.repeats, log=log, **shapes
         )
     if f.compare:
-        return benchmark.compare_train_benchmark(
+        return train_speed.compare_train_benchmark(
             config,
             baseline=f.compare,
             repeats=f.repeats,
@@ -288,13 +290,13 @@ def _train(f, config, log) -> dict:
             log=log,
             **shapes,
         )
-    return benchmark.train_benchmark(config, steps=f.repeats, log=log, **shapes)
+    return train_speed.train_benchmark(config, steps=f.repeats, log=log, **shapes)
 
 
 def _input(f, train: dict | None, log) -> dict:
     """The input pipeline's examples/s, and beside it the train step's (when timed)."""
+    from flaxformer_lite.benchmarks.input_pipeline import input_benchmark
     from flaxformer_lite.config import run as run_config
-    from flaxformer_lite.tools.input_benchmark import input_benchmark
 
     results = input_benchmark(run_config.parse(f.config), f.input_batches, log)
     if train and "step_s" in train:
@@ -322,10 +324,10 @@ def _scheduled_sampling(f):
 
 
 def _decode(f, config, log) -> dict:
-    from flaxformer_lite.tools import benchmark
+    from flaxformer_lite.benchmarks import decoding
 
     log(f"decoding: batch {f.batch}, source {f.source_len}, {f.new_tokens} new tokens")
-    return benchmark.decode_benchmark(
+    return decoding.decode_benchmark(
         config.replace(dropout_rate=0.0),
         batch=f.batch,
         source_len=f.source_len,
@@ -339,60 +341,9 @@ def _decode(f, config, log) -> dict:
     )
 
 
-def lower(opts: Options) -> dict:
-    """--mode lower: the lowering report of `tools/lowering.py` (before JAX starts its CPU
-    backend, which then simulates --lower_devices devices for the collectives)."""
-    import jax
-
-    from flaxformer_lite.tools import hlo_report, lowering
-
-    f = opts.flags
-    unknown = sorted(set(f.lower_programs) - set(lowering.PROGRAMS))
-    if unknown:
-        cli.fail(
-            f"--lower_programs: unknown program(s) {', '.join(unknown)}; "
-            f"known: {', '.join(lowering.PROGRAMS)}"
-        )
-    jax.config.update("jax_num_cpu_devices", f.lower_devices)
-    names = tuple(f.lower_programs) or tuple(lowering.PROGRAMS)
-    print(f"lowering for {', '.join(lowering.PLATFORMS)} from a {jax.default_backend()} host:")
-    results = lowering.run(names)
-    out = {"lowered": [lowering.as_dict(r) for r in results], "collectives": []}
-    print(
-        f"collectives on {jax.device_count()} simulated {jax.default_backend()} devices "
-        "(the partitioning is the same on every platform):"
-    )
-    for name, mesh in lowering.TRAFFIC:
-        if f.lower_programs and name not in f.lower_programs:
-            continue
-        t = lowering.traffic(name, mesh)
-        for line in lowering.traffic_lines(t):
-            print(line)
-        for platform in lowering.PLATFORMS:  # the accelerators' kernels on the same mesh
-            r = lowering.lower(name, platform, mesh)
-            print(f"    {platform} on this mesh: " + ("lowered" if r.ok else r.error))
-        out["collectives"].append(
-            {
-                "program": name,
-                "mesh": t.mesh,
-                "bytes": hlo_report.summary(t.collectives),
-                "bytes_in_loop": hlo_report.summary(t.collectives, in_loop=True),
-                "activation_bytes": sum(c.nbytes for c in t.activations),
-                "involuntary_remats": len(t.remat_warnings),
-            }
-        )
-    if f.json:
-        with open(f.json, "w") as file:
-            json.dump(out, file, indent=2)
-    failed = [f"{r.program}/{r.platform}" for r in results if not r.ok]
-    if failed:
-        cli.fail(f"{len(failed)} program(s) did not lower: {', '.join(failed)}", code=1)
-    return out
-
-
 def run(opts: Options) -> dict:
     """Measures what the flags ask for, logs it, writes --json; returns the results."""
-    from flaxformer_lite.tools import host_memory
+    from flaxformer_lite.cli import host_memory
 
     f = opts.flags
     log = (lambda s: print(s, file=sys.stderr)) if f.json == "/dev/stdout" else print

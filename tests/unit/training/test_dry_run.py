@@ -5,7 +5,7 @@ from conftest import ROOT  # noqa: F401  (puts configs/ on the path)
 
 from configs import default, wmt14_ende_base, wmt14_ende_big
 from flaxformer_lite.config import run as run_config
-from flaxformer_lite.tools import dry_run
+from flaxformer_lite.training import dry_run
 
 
 def analytic_count(m) -> int:

@@ -5,7 +5,7 @@ search runs all its steps. Next to the autoregressive searches, the non-autoregr
 of the same size (`models/non_autoregressive.py`) decodes the same number of positions with
 Mask-Predict at each of `nat_iterations`: its decoder width is fixed by `max_len`, so its
 cost does not depend on the lengths its random length classifier predicts. Timings are as
-in :mod:`flaxformer_lite.tools.timing`.
+in :mod:`flaxformer_lite.benchmarks.timing`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.benchmarks.timing import _compile_seconds, _timed
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import BOS_ID
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
-from flaxformer_lite.tools.timing import _compile_seconds, _timed
 
 BOS = BOS_ID
 
@@ -81,14 +81,7 @@ def decode_benchmark(
                 log=log,
             )
         )
-        for t in nat_iterations:
-            name = f"nat_T{t}_l{nat_length_beam}"
-            for base in ("greedy", f"beam{beam_size}"):
-                results[f"{name}_speedup_over_{base}"] = results[f"{base}_s"] / results[f"{name}_s"]
-            log(
-                f"{name}: {results[f'{name}_speedup_over_greedy']:.2f}x greedy, "
-                f"{results[f'{name}_speedup_over_beam{beam_size}']:.2f}x beam {beam_size}"
-            )
+        _nat_speedups(results, nat_iterations, nat_length_beam, beam_size, log)
     step_bytes = decoder_step_bytes(params, config)
     results.update(
         _prefix_step_timings(
@@ -111,6 +104,24 @@ def decode_benchmark(
         f"{results['greedy_weights_gb_per_s']:.2f} GB/s of weights"
     )
     return results
+
+
+def _nat_speedups(
+    results: dict[str, float],
+    iterations: tuple[int, ...],
+    length_beam: int,
+    beam_size: int,
+    log: Callable[[str], None],
+) -> None:
+    """Adds each NAT setting's speed-up over greedy and beam search to `results`, logged."""
+    for t in iterations:
+        name = f"nat_T{t}_l{length_beam}"
+        for base in ("greedy", f"beam{beam_size}"):
+            results[f"{name}_speedup_over_{base}"] = results[f"{base}_s"] / results[f"{name}_s"]
+        log(
+            f"{name}: {results[f'{name}_speedup_over_greedy']:.2f}x greedy, "
+            f"{results[f'{name}_speedup_over_beam{beam_size}']:.2f}x beam {beam_size}"
+        )
 
 
 def _search_timings(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flaxformer_lite.tools import device_check
+from flaxformer_lite.benchmarks import device_check
 
 
 @pytest.mark.slow

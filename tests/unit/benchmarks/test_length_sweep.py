@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from flaxformer_lite.tools import length_sweep
+from flaxformer_lite.benchmarks import length_sweep
 
 TINY = length_sweep.sweep_config(
     input_features=4, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1

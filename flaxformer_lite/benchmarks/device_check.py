@@ -190,10 +190,10 @@ def attention_memory(profile: Profile, log) -> dict:
 
 
 def matmul_peak(profile: Profile, log) -> dict:
-    from flaxformer_lite.tools import benchmark
+    from flaxformer_lite.benchmarks import train_speed
 
     dtype = model_configs()["base"].dtype  # the compute dtype's rate: bf16 on accelerators
-    flops = benchmark.matmul_peak(profile.matmul_n, repeats=10, dtype=dtype)
+    flops = train_speed.matmul_peak(profile.matmul_n, repeats=10, dtype=dtype)
     kind = getattr(jax.devices()[0], "device_kind", "")
     sheet = next((v for k, v in DATASHEET_BF16_FLOPS.items() if k in kind), None)
     log(
@@ -205,16 +205,16 @@ def matmul_peak(profile: Profile, log) -> dict:
 
 def train(profile: Profile, name: str, peak: dict, log) -> dict:
     """Our bf16 train step, alternating with torch's bf16-autocast step on the same shapes."""
-    from flaxformer_lite.tools import benchmark
+    from flaxformer_lite.benchmarks import train_speed
 
     config = model_configs()[name]
     batch, s, t = profile.train
-    measured = peak.get("measured_flops") or benchmark.matmul_peak(dtype=config.dtype)
+    measured = peak.get("measured_flops") or train_speed.matmul_peak(dtype=config.dtype)
     shapes = dict(batch=batch, source_len=s, target_len=t, peak_flops=measured, log=log)
     if profile.compare_torch:
-        r = benchmark.compare_train_benchmark(config, repeats=profile.train_repeats, **shapes)
+        r = train_speed.compare_train_benchmark(config, repeats=profile.train_repeats, **shapes)
     else:
-        r = benchmark.train_benchmark(config, steps=profile.train_repeats, **shapes)
+        r = train_speed.train_benchmark(config, steps=profile.train_repeats, **shapes)
     out = {k: r[k] for k in ("step_s", "tokens_per_s", "mfu", "flops_per_step", "compile_s")}
     if peak.get("datasheet_flops"):
         out["mfu_datasheet"] = r["flops_per_s"] / peak["datasheet_flops"]
@@ -241,8 +241,8 @@ def decode(profile: Profile, log) -> dict:
     """Greedy and beam-4 tokens/s of the base model at each batch size."""
     from flax import linen as nn
 
+    from flaxformer_lite.benchmarks.decoding import _search_timings
     from flaxformer_lite.models.autoregressive import AutoregressiveModel
-    from flaxformer_lite.tools.decode_benchmark import _search_timings
 
     config = model_configs()["base"]
     model = AutoregressiveModel(config)

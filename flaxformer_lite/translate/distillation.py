@@ -2,8 +2,9 @@
 
 Non-autoregressive models learn from "distilled" data (Kim & Rush 2016, "Sequence-Level
 Knowledge Distillation"; Gu et al. 2018): the training sources with, as targets, what a
-trained autoregressive model makes of them by beam search. `run` does this for any training
-workdir of this library and writes a `parallel_text` corpus that `train.py` reads:
+trained autoregressive model makes of them by beam search. This module decodes them and
+writes the `parallel_text` corpus that `train.py` reads; `flaxformer_lite.cli.distill.run`
+does it for any training workdir of this library:
 
   train.{src} train.{tgt}   the run's training sources, in the split's order, and their
                             beam-search translations (one line per training example);
@@ -29,13 +30,12 @@ import shlex
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 
+from flaxformer_lite.atomic_files import atomic_write
 from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data import common
-from flaxformer_lite.files import atomic_write
-from flaxformer_lite.translate import files, reports, runner
+from flaxformer_lite.translate import line_io, reports, runner
 
 MANIFEST = "distill.json"
 # Our split name -> the file prefix in the written corpus.
@@ -47,22 +47,6 @@ Log = Callable[[str], None]
 
 def log_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The flag values of distill.py (see its flag help for each)."""
-
-    workdir: str
-    output_dir: str
-    step: str | int | None = "latest"  # a step spec: see training.restore.resolve_step
-    beam_size: int = 4
-    alpha: float = 0.6
-    batch_size: int = 64
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
 
 
 # Checks and names.
@@ -78,9 +62,11 @@ def check_output_dir(output_dir: str) -> None:
         return
     if os.path.islink(output_dir) or not os.path.isdir(output_dir):
         what = "a symbolic link" if os.path.islink(output_dir) else "not a directory"
-        raise files.InputError(f"--output_dir {output_dir!r} exists and is {what}; pass a new path")
+        raise line_io.InputError(
+            f"--output_dir {output_dir!r} exists and is {what}; pass a new path"
+        )
     if os.listdir(output_dir):
-        raise files.InputError(
+        raise line_io.InputError(
             f"--output_dir {output_dir!r} is not empty; pass a new directory "
             "(an existing corpus is never overwritten)"
         )
@@ -178,7 +164,7 @@ def distill_targets(
         batch_size=batch_size,
         progress=progress,
     )
-    by_source = {s: files.format_line(h) for s, h in zip(distinct, result.hypotheses)}
+    by_source = {s: line_io.format_line(h) for s, h in zip(distinct, result.hypotheses)}
     return Distilled([by_source[s] for s in sources], len(distinct), result)
 
 
@@ -214,7 +200,7 @@ def write_corpus(
         try:
             os.rename(tmp, output_dir)  # replaces an empty directory; a non-empty one fails
         except OSError as e:
-            raise files.InputError(
+            raise line_io.InputError(
                 f"--output_dir {output_dir!r} could not be written ({e.strerror}); "
                 "pass a new directory"
             ) from None
@@ -241,97 +227,35 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# The command.
+# The corpus of a run.
 
 
 def teacher_data(run_config: RunConfig):
     """The data section of a teacher run's saved config; a parallel-text corpus must be
-    where the run read it (files.InputError otherwise)."""
+    where the run read it (line_io.InputError otherwise)."""
     data = run_config.data
     if data.dataset == "parallel_text" and not os.path.isdir(data.corpus_dir):
         fix = "restore the corpus there"
         if not os.path.isabs(data.corpus_dir):  # read from train.py's working directory
             fix = f"run distill.py from the directory train.py ran in, or {fix}"
-        raise files.InputError(
+        raise line_io.InputError(
             f"the run's corpus data.corpus_dir={data.corpus_dir!r} is not a directory here; {fix}"
         )
     return data
 
 
-def run(
-    o: Options, *, log: Log = log_stderr, on_inputs_checked: Callable[[], object] = lambda: None
-) -> dict:
-    """Writes the distilled corpus of `o.workdir` into `o.output_dir`; returns its manifest.
+def corpus_files(
+    splits, sources: Sequence[str], targets: Sequence[str], langs: tuple[str, str], log: Log
+) -> tuple[dict[str, Sequence[str]], dict[str, int]]:
+    """The corpus of a run, ({file name: lines}, {split file name: line count}).
 
-    `on_inputs_checked` runs once the output path, workdir, checkpoint and data passed
-    their checks, before the model is restored (`distill.py` reports the platform there).
-
-    Raises:
-      InputError, ConfigError, WorkdirError, FileNotFoundError, StepSpecError,
-        CheckpointIntegrityError, CheckpointFormatError: with a message that says what to
-        change.
+    The training sources get the distilled `targets`; the validation and test splits keep
+    their gold targets.
     """
-    from flaxformer_lite import datasets
-    from flaxformer_lite.models import from_config
-    from flaxformer_lite.training import restore
-
-    start = time.perf_counter()
-    check_output_dir(o.output_dir)
-    if o.batch_size < 1:
-        raise files.InputError(f"--batch_size must be >= 1, got {o.batch_size}")
-    run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
-    search = runner.make_search(run_config, beam_size=o.beam_size, alpha=o.alpha)
-    data = teacher_data(run_config)
-    splits = datasets.load_splits(data)
-    step = restore.resolve_step(o.workdir, o.step, log=log)
-    on_inputs_checked()
-    params, _ = restore.restore_params(o.workdir, step, log=log)
-    model = from_config.build_model(run_config)
-
-    sources = common.texts(splits["train"], common.SOURCE_FIELD)
-    gold = common.texts(splits["train"], common.TARGET_FIELD)
-    if not sources:
-        raise files.InputError(f"the training split of {o.workdir} is empty: nothing to distill")
-    distilled = distill_targets(
-        model,
-        params,
-        tokenizer,
-        run_config,
-        sources,
-        search=search,
-        batch_size=o.batch_size,
-        log=log,
-    )
-    log(reports.summary(distilled.result))
-
-    src, tgt = languages(data)
-    held_out, held_out_lines = _held_out_files(splits, (src, tgt), log)
-    corpus = {f"train.{src}": sources, f"train.{tgt}": distilled.targets, **held_out}
-    split_lines = {"train": len(sources), **held_out_lines}
-    names = {ours: theirs for ours, theirs in SPLIT_FILES.items() if theirs in split_lines}
-    flags = train_flags(o.output_dir, (src, tgt), names)
-    num_changed, num_empty = _changed_and_empty(sources, distilled.targets, gold, log)
-    manifest = {
-        "workdir": os.path.abspath(o.workdir),
-        "step": step,
-        "beam_size": o.beam_size,
-        "alpha": o.alpha,
-        "dataset": data.dataset,
-        "source_lang": src,
-        "target_lang": tgt,
-        "num_train_lines": len(sources),
-        "num_distinct_sources": distilled.num_distinct,
-        "num_changed_targets": num_changed,
-        "changed_fraction": num_changed / len(sources),
-        "num_empty_targets": num_empty,
-        "split_lines": split_lines,
-        "decode_seconds": round(distilled.result.seconds, 3),
-        "seconds": round(time.perf_counter() - start, 3),
-        "train_flags": flags,
-    }
-    write_corpus(o.output_dir, corpus, manifest)
-    log(summary(manifest, o.output_dir))
-    return manifest
+    src, tgt = langs
+    held_out, held_out_lines = _held_out_files(splits, langs, log)
+    corpus = {f"train.{src}": sources, f"train.{tgt}": targets, **held_out}
+    return corpus, {"train": len(sources), **held_out_lines}
 
 
 def _held_out_files(splits, langs: tuple[str, str], log: Log):
@@ -352,7 +276,7 @@ def _held_out_files(splits, langs: tuple[str, str], log: Log):
     return corpus, split_lines
 
 
-def _changed_and_empty(sources, targets, gold, log: Log) -> tuple[int, int]:
+def changed_and_empty(sources, targets, gold, log: Log) -> tuple[int, int]:
     """How many distilled targets differ from the gold ones, and how many non-blank sources
     were translated to an empty line (warned: parallel_text skips such pairs)."""
     num_changed = sum(t != one_line(g) for t, g in zip(targets, gold))

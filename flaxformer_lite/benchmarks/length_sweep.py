@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.benchmarks.timing import _timed
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models.transformer import Transformer
-from flaxformer_lite.tools.timing import _timed
 
 FIELDS = ("length", "full_ms", "local_ms", "full_mib", "local_mib", "full_growth", "local_growth")
 

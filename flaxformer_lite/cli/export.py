@@ -3,10 +3,10 @@ model directory, checked against our model before it is kept.
 
 The steps: check the workdir and that the engine can represent its model (one line
 naming the field when not), restore the parameters (`--step`, `--average`), convert
-them (`layout.py`, then `to_ctranslate2.py` or `to_huggingface.py`) into a fresh
-directory next to OUT, bundle the SentencePiece model(s), score probe pairs with both
-our model and the exported one (`parity.py`), and only then rename the directory to
-OUT. An existing non-empty OUT is never touched.
+them (`export/layout.py`, then `to_ctranslate2.py` or `to_huggingface.py`) into a
+fresh directory next to OUT, bundle the SentencePiece model(s), score probe pairs
+with both our model and the exported one (`export/parity.py`), and only then rename
+the directory to OUT. An existing non-empty OUT is never touched.
 """
 
 from __future__ import annotations
@@ -165,6 +165,38 @@ def _check_int8(o: Options, layout, pieces, staging: str, vocab, pairs, want, lo
     return measured.difference, extra
 
 
+def _check_parity(o: Options, run_config, params, layout, pieces, staging, vocab, log):
+    """Scores probe pairs with our model and the exported one in `staging`.
+
+    Returns (the probe pairs, the largest log-probability difference, manifest fields of
+    the int8 check).
+
+    Raises:
+      ExportError: a float32 export differs by more than FP32_TOLERANCE.
+    """
+    from flaxformer_lite.models import from_config
+
+    data = run_config.data
+    pairs = probe_pairs(vocab, o.probes, data.max_source_len, data.max_target_len)
+    model = from_config.build_model(run_config)
+    want = parity.ours(model, params, [p[0] for p in pairs], [p[1] for p in pairs])
+    manifest_extra: dict = {}
+    if o.quantization in int8_check.INT8_QUANTIZATIONS:
+        difference, manifest_extra = _check_int8(
+            o, layout, pieces, staging, vocab, pairs, want, log
+        )
+    else:
+        got = _exported_scores(o, staging, vocab, pairs)
+        difference = parity.max_difference(want, got)
+    exact = o.quantization == "float32"
+    if exact and not difference <= FP32_TOLERANCE:
+        raise ExportError(
+            f"the exported model's log-probabilities differ from ours by {difference:.3g} "
+            f"(> {FP32_TOLERANCE:g}) on {len(pairs)} probe pairs; nothing was written"
+        )
+    return pairs, difference, manifest_extra
+
+
 def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
     """Runs the export; returns the manifest written next to the model.
 
@@ -173,7 +205,6 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
         with a message that names the fix.
     """
     from flaxformer_lite.export import to_ctranslate2, to_huggingface  # noqa: F401 (extras)
-    from flaxformer_lite.models import from_config
     from flaxformer_lite.training import restore
     from flaxformer_lite.translate import runner
 
@@ -199,23 +230,9 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
                 shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
         else:  # the tokenizer it saves holds the SentencePiece models (source/target.spm)
             to_huggingface.save(layout, spm_files, pieces, staging, rows)
-        pairs = probe_pairs(vocab, o.probes, data.max_source_len, data.max_target_len)
-        model = from_config.build_model(run_config)
-        want = parity.ours(model, params, [p[0] for p in pairs], [p[1] for p in pairs])
-        manifest_extra: dict = {}
-        if o.quantization in int8_check.INT8_QUANTIZATIONS:
-            difference, manifest_extra = _check_int8(
-                o, layout, pieces, staging, vocab, pairs, want, log
-            )
-        else:
-            got = _exported_scores(o, staging, vocab, pairs)
-            difference = parity.max_difference(want, got)
-        exact = o.quantization == "float32"
-        if exact and not difference <= FP32_TOLERANCE:
-            raise ExportError(
-                f"the exported model's log-probabilities differ from ours by {difference:.3g} "
-                f"(> {FP32_TOLERANCE:g}) on {len(pairs)} probe pairs; nothing was written"
-            )
+        pairs, difference, manifest_extra = _check_parity(
+            o, run_config, params, layout, pieces, staging, vocab, log
+        )
         manifest = {
             "workdir": os.path.abspath(o.workdir),
             "step": step,

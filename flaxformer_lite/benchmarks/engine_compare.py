@@ -213,15 +213,15 @@ def file_bleu(
     length normalisation, `length_penalty` 1)."""
     from flaxformer_lite.models import from_config
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import files, runner
+    from flaxformer_lite.translate import line_io, runner
 
     run_config, vocab = runner.open_workdir(workdir)
     cfg = run_config.model
     layout_lib.check_exportable(run_config, "CTranslate2")
     params, _ = restore.restore_params(workdir)
     model = from_config.build_model(run_config)
-    lines, _ = files.read_lines(input_path)
-    references, _ = files.read_lines(reference_path)
+    lines, _ = line_io.read_lines(input_path)
+    references, _ = line_io.read_lines(reference_path)
     max_len = run_config.data.max_target_len
     max_source = run_config.data.max_source_len
     pieces = [[vocab.source.id_to_piece(i) for i in vocab.source.encode(line)] for line in lines]

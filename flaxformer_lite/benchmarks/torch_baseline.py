@@ -48,7 +48,7 @@ try:
     from torch import nn
 except ImportError as e:  # optional dependency: say how to get it
     raise ImportError(
-        'flaxformer_lite.tools.torch_baseline needs PyTorch; pip install -e ".[torch]"'
+        'flaxformer_lite.benchmarks.torch_baseline needs PyTorch; pip install -e ".[torch]"'
     ) from e
 
 

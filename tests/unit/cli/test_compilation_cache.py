@@ -7,14 +7,14 @@ import sys
 import pytest
 from conftest import ROOT
 
+from flaxformer_lite.cli import compilation_cache
 from flaxformer_lite.config import ConfigError
-from flaxformer_lite.tools import compilation_cache
 
 PROGRAM = """
 import sys
 import jax
 import jax.numpy as jnp
-from flaxformer_lite.tools import compilation_cache
+from flaxformer_lite.cli import compilation_cache
 
 compilation_cache.enable(sys.argv[1], log=lambda line: print("LOG", line))
 print(float(jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((8, 8))).sum()))

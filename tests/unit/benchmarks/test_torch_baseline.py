@@ -16,10 +16,10 @@ import pytest
 from conftest import ROOT, tiny_model_config
 
 import flaxformer_lite
+from flaxformer_lite.benchmarks import train_speed
 from flaxformer_lite.models.autoregressive import shift_right
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.objectives import cross_entropy
-from flaxformer_lite.tools import benchmark
 
 TINY = tiny_model_config(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1)
 
@@ -27,7 +27,7 @@ TINY = tiny_model_config(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_en
 @pytest.fixture
 def torch_baseline():
     pytest.importorskip("torch")
-    from flaxformer_lite.tools import torch_baseline
+    from flaxformer_lite.benchmarks import torch_baseline
 
     torch_baseline.setup(threads=1)  # the test machine's cores are shared
     return torch_baseline
@@ -82,7 +82,7 @@ def test_same_logits_and_loss_with_our_parameters(torch_baseline, norm, activati
 
 
 def test_compare_interleaves_and_reports_the_ratio(torch_baseline):
-    r = benchmark.compare_train_benchmark(
+    r = train_speed.compare_train_benchmark(
         TINY,
         batch=2,
         source_len=6,
@@ -97,7 +97,7 @@ def test_compare_interleaves_and_reports_the_ratio(torch_baseline):
     assert r["step_s"] == np.median(r["step_samples_s"])
     assert r["torch_step_s"] == np.median(r["torch_step_samples_s"])
     assert r["torch_over_ours"] == pytest.approx(r["torch_step_s"] / r["step_s"])
-    flops = benchmark.train_flops_per_step(TINY, 2, 6, 5)
+    flops = train_speed.train_flops_per_step(TINY, 2, 6, 5)
     assert r["flops_per_step"] == flops
     assert r["torch_mfu"] == pytest.approx(flops / r["torch_step_s"] / 1e9)
     assert r["torch_tokens_per_s"] == pytest.approx(2 * 11 / r["torch_step_s"])
@@ -111,7 +111,7 @@ def test_compare_interleaves_and_reports_the_ratio(torch_baseline):
 @pytest.mark.slow
 def test_compiled_baseline_trains(torch_baseline):
     # torch.compile builds C++ kernels for the forward and backward passes: about a minute.
-    r = benchmark.compare_train_benchmark(
+    r = train_speed.compare_train_benchmark(
         TINY,
         baseline="torch_compile",
         batch=2,
@@ -131,13 +131,13 @@ def test_compiled_baseline_trains(torch_baseline):
 def no_torch(monkeypatch):
     """Makes `import torch` fail as when it is not installed."""
     monkeypatch.setitem(sys.modules, "torch", None)
-    monkeypatch.delitem(sys.modules, "flaxformer_lite.tools.torch_baseline", raising=False)
-    monkeypatch.delattr(flaxformer_lite.tools, "torch_baseline", raising=False)
+    monkeypatch.delitem(sys.modules, "flaxformer_lite.benchmarks.torch_baseline", raising=False)
+    monkeypatch.delattr(flaxformer_lite.benchmarks, "torch_baseline", raising=False)
 
 
 def test_without_torch_the_library_says_how_to_install_it(no_torch):
     with pytest.raises(ImportError, match=r'pip install -e "\.\[torch\]"'):
-        benchmark.compare_train_benchmark(TINY, log=lambda s: None)
+        train_speed.compare_train_benchmark(TINY, log=lambda s: None)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Training and decoding benchmarks: what `bench.py` measures, importable for tests.
+"""Training-step benchmarks: step time, tokens/s and MFU of what `bench.py --mode train` runs.
 
 `compare_train_benchmark` also times a PyTorch `nn.Transformer` of the same
 sizes on the same batch (`torch_baseline.py`; PyTorch is optional and only
@@ -22,17 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.benchmarks.timing import _timed
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.constants import BOS_ID, EOS_ID
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
-from flaxformer_lite.tools.decode_benchmark import decode_benchmark, decoder_step_bytes
-from flaxformer_lite.tools.timing import _timed
 
 __all__ = [
     "BASELINES",
     "compare_train_benchmark",
-    "decode_benchmark",
-    "decoder_step_bytes",
     "matmul_peak",
     "train_benchmark",
     "train_flops_per_step",
@@ -268,7 +265,7 @@ def compare_train_benchmark(
       ImportError (saying how to install it) when PyTorch is missing;
       ConfigError for a config `nn.Transformer` cannot express.
     """
-    from flaxformer_lite.tools import torch_baseline  # imports torch; says how to install it
+    from flaxformer_lite.benchmarks import torch_baseline  # imports torch; says how to install it
 
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {baseline!r}")

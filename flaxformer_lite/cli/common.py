@@ -79,7 +79,7 @@ def check_config_overrides(argv: list[str], default_path: str, flag: str = "conf
 
 
 def define_host_malloc_flag() -> None:
-    from flaxformer_lite.tools import host_memory
+    from flaxformer_lite.cli import host_memory
 
     flags.DEFINE_enum(
         "host_malloc",
@@ -94,7 +94,7 @@ def define_host_malloc_flag() -> None:
 
 def set_host_malloc(argv: list[str]) -> None:
     """Applies `--host_malloc` (see `host_memory`); call it before anything imports JAX."""
-    from flaxformer_lite.tools import host_memory
+    from flaxformer_lite.cli import host_memory
 
     try:
         host_memory.configure(_flag_value(argv, "host_malloc", "auto"))

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import ROOT, optimised_xla_flags
 
-from flaxformer_lite.tools import host_memory
+from flaxformer_lite.cli import host_memory
 
 needs_glibc = pytest.mark.skipif(not host_memory.has_glibc(), reason="needs glibc malloc")
 
@@ -20,7 +20,7 @@ needs_glibc = pytest.mark.skipif(not host_memory.has_glibc(), reason="needs glib
 _MALLOC_PROBE = """
 import ctypes, json, resource, sys
 sys.path.insert(0, {root!r})
-from flaxformer_lite.tools import host_memory
+from flaxformer_lite.cli import host_memory
 applied = host_memory.configure({mode!r})
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -43,7 +43,7 @@ print(json.dumps({{"applied": applied, "faults": sorted(faults[-10:])}}))
 _PROBE = """
 import json, resource, sys
 sys.path.insert(0, {root!r})
-from flaxformer_lite.tools import host_memory
+from flaxformer_lite.cli import host_memory
 applied = host_memory.configure({mode!r})
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.sum(jnp.cumsum(x, axis=0) * jnp.cumsum(x, axis=1)))

@@ -6,7 +6,7 @@ import sys
 
 from conftest import ROOT
 
-from flaxformer_lite.tools import hlo_report
+from flaxformer_lite.benchmarks import hlo_report
 
 # Hand-written optimised HLO in XLA's text format: async pairs, a variadic all-reduce,
 # a reduce-scatter wrapped in an async computation, and a while body reached via a fusion.
@@ -95,7 +95,7 @@ import sys
 sys.path.insert(0, {root!r})
 import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from flaxformer_lite.tools import hlo_report
+from flaxformer_lite.benchmarks import hlo_report
 assert jax.device_count() == 8
 mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 x = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("data")))

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_model_config
 
+from flaxformer_lite.benchmarks import decoding, train_speed
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.transformer import Transformer
-from flaxformer_lite.tools import benchmark
 
 TINY = tiny_model_config(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1)
 
 
 def test_decode_benchmark_reports_every_figure():
-    results = benchmark.decode_benchmark(
+    results = decoding.decode_benchmark(
         TINY,
         batch=2,
         source_len=5,
@@ -96,14 +96,14 @@ def test_flops_formula_counts_every_matmul_of_the_forward_pass():
     src, tgt = jnp.ones((2, 7), jnp.int32), jnp.ones((2, 5), jnp.int32)
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), src, tgt))
     jaxpr = jax.make_jaxpr(lambda p: model.apply(p, src, tgt))(params).jaxpr
-    assert benchmark.train_flops_per_step(cfg, 2, 7, 5) == 3 * _dot_flops(jaxpr)
+    assert train_speed.train_flops_per_step(cfg, 2, 7, 5) == 3 * _dot_flops(jaxpr)
 
 
 def test_train_benchmark_reports_mfu():
-    r = benchmark.train_benchmark(
+    r = train_speed.train_benchmark(
         TINY, batch=2, source_len=6, target_len=5, steps=2, peak_flops=1e9, log=lambda s: None
     )
-    assert r["flops_per_step"] == benchmark.train_flops_per_step(TINY, 2, 6, 5)
+    assert r["flops_per_step"] == train_speed.train_flops_per_step(TINY, 2, 6, 5)
     assert r["flops_per_s"] == pytest.approx(r["flops_per_step"] / r["step_s"])
     assert r["mfu"] == pytest.approx(r["flops_per_s"] / 1e9)
     assert r["tokens_per_s"] == pytest.approx(2 * (6 + 5) / r["step_s"])
@@ -149,7 +149,7 @@ def test_cli_flags_reach_the_benchmarked_model():
     assert (model["d_model"], model["d_ff"], model["vocab_size"]) == (32, 48, 64)  # tiny's
     assert out["train"]["step_s"] > 0
     assert "layers scanned, remat dots_saveable" in result.stderr
-    from flaxformer_lite.tools import host_memory
+    from flaxformer_lite.cli import host_memory
 
     # JAX_PLATFORMS=cpu: --host_malloc=auto keeps freed memory wherever glibc is the C library.
     assert out["host_malloc_reuse"] == host_memory.has_glibc()
@@ -161,7 +161,7 @@ def test_scheduled_sampling_benchmark_times_both_steps():
 
     config = tiny_model_config(vocab_size=40, d_ff=64)
     sampling = ScheduledSampling(mode="argmax")
-    r = benchmark.scheduled_sampling_benchmark(
+    r = train_speed.scheduled_sampling_benchmark(
         config, sampling, batch=2, source_len=6, target_len=5, repeats=2, log=lambda s: None
     )
     assert r["teacher_forced_step_s"] > 0 and r["scheduled_sampling_step_s"] > 0
@@ -169,8 +169,8 @@ def test_scheduled_sampling_benchmark_times_both_steps():
 
 
 def test_input_benchmark_counts_every_example_it_times(tfds_dir):
+    from flaxformer_lite.benchmarks.input_pipeline import examples_in, input_benchmark
     from flaxformer_lite.config.run import parse
-    from flaxformer_lite.tools.input_benchmark import examples_in, input_benchmark
 
     lines = []
     config = parse(tiny_config(tfds_dir, batch_size=8))

@@ -1,20 +1,20 @@
 """The programs as a GPU or a TPU would run them, exported from this CPU host.
 
-`tools/lowering.py` exports each program for "cuda" and "tpu" under the kernel target
+`benchmarks/lowering.py` exports each program for "cuda" and "tpu" under the kernel target
 of that platform; these tests read the exported modules: the fused attention kernels
 are there, and a bf16 run has no float32 x float32 model matmul except the named ones.
 """
 
 import pytest
 
-from flaxformer_lite.tools import lowering
+from flaxformer_lite.benchmarks import lowering, lowering_programs
 
 TRAIN = ("train_full", "train_local", "train_packed", "train_scan_remat", "train_grad_accum")
 
 
 @pytest.fixture(scope="module")
 def tpu_results():
-    return {name: lowering.lower(name, "tpu") for name in lowering.PROGRAMS}
+    return {name: lowering.lower(name, "tpu") for name in lowering_programs.PROGRAMS}
 
 
 def test_every_program_lowers_for_tpu_with_the_splash_kernel(tpu_results):
@@ -50,7 +50,7 @@ def _float32_score():
 
     from flaxformer_lite.models.autoregressive import AutoregressiveModel
 
-    model = AutoregressiveModel(lowering.small_config(dtype=jnp.float32))
+    model = AutoregressiveModel(lowering_programs.small_config(dtype=jnp.float32))
     shapes = {"inputs": (1, 16), "targets": (1, 16)}
     params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))
     batch = {key: jax.ShapeDtypeStruct((2, 16), jnp.int32) for key in shapes}
@@ -75,7 +75,7 @@ def test_report_names_what_failed():
 SHARDED_SCRIPT = """
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
-from flaxformer_lite.tools import lowering
+from flaxformer_lite.benchmarks import lowering
 for mesh in ({}, {"fsdp": 8}, {"fsdp": 2, "model": 2}):
     r = lowering.lower("train_full", "tpu", mesh)
     assert r.ok, (mesh, r.error)

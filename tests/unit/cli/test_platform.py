@@ -6,7 +6,7 @@ import stat
 import jax
 import pytest
 
-from flaxformer_lite.tools import cli
+from flaxformer_lite.cli import common
 
 GPU_LINE = "GPU 0: NVIDIA H200 (UUID: GPU-0000)"
 
@@ -26,7 +26,7 @@ def report(monkeypatch, tmp_path, backend="cpu", jax_platforms=None):
     else:
         monkeypatch.setenv("JAX_PLATFORMS", jax_platforms)
     lines = []
-    assert cli.report_platform(lines.append) == backend
+    assert common.report_platform(lines.append) == backend
     assert lines[0] == f"running on {backend}: {jax.device_count()} device(s)"
     return lines[1:]
 
@@ -58,7 +58,7 @@ def test_no_warning_without_a_listed_gpu(monkeypatch, tmp_path, stdout, code):
 
 
 def test_no_warning_without_nvidia_smi(monkeypatch, tmp_path):
-    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+    monkeypatch.setattr(common.shutil, "which", lambda name: None)
     assert report(monkeypatch, tmp_path) == []
 
 

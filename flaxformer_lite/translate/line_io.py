@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import BinaryIO
 
-from flaxformer_lite.files import atomic_write
+from flaxformer_lite.atomic_files import atomic_write
 
 # Every character that some reader treats as a line break, plus the n-best field separator.
 _SEPARATORS = str.maketrans({c: " " for c in "\t\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.models import from_config
-from flaxformer_lite.translate import exposure, files, reports, runner
+from flaxformer_lite.translate import exposure, line_io, reports, runner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +56,13 @@ def log(message: str) -> None:
 
 
 def _check_options(o: Options) -> None:
-    files.check_paths((("input", o.input), ("reference", o.reference)), o.output)
+    line_io.check_paths((("input", o.input), ("reference", o.reference)), o.output)
     if o.score and not o.reference:
-        raise files.InputError("--score needs --reference: the target lines to score")
+        raise line_io.InputError("--score needs --reference: the target lines to score")
     if o.score_tokens and not o.score:
-        raise files.InputError("--score_tokens applies to --score only")
+        raise line_io.InputError("--score_tokens applies to --score only")
     if o.score and o.attention_png:
-        raise files.InputError("--attention_png plots decoding: drop it or --score")
+        raise line_io.InputError("--attention_png plots decoding: drop it or --score")
     exposure.check_options(o)
 
 
@@ -70,12 +70,14 @@ def _check_speech_options(o: Options) -> None:
     """A speech workdir decodes WAV files; what needs source text is refused in one line."""
     for flag in ("score", "report"):
         if getattr(o, flag):
-            raise files.InputError(
+            raise line_io.InputError(
                 f"--{flag} is not supported for a speech workdir ({o.workdir} reads WAV "
                 "files); decode with --reference for BLEU, WER and exact match"
             )
     if o.strict:
-        raise files.InputError("--strict refuses long text lines; a speech workdir reads WAV files")
+        raise line_io.InputError(
+            "--strict refuses long text lines; a speech workdir reads WAV files"
+        )
 
 
 def _check_model_kind(o: Options, non_autoregressive: bool) -> None:
@@ -83,23 +85,23 @@ def _check_model_kind(o: Options, non_autoregressive: bool) -> None:
     nat_flags = [f"--{k}" for k in ("iterations", "length_beam", "length_scale")]
     given = [f for f in nat_flags if getattr(o, f[2:]) is not None]
     if not non_autoregressive and given:
-        raise files.InputError(
+        raise line_io.InputError(
             f"{given[0]} applies to non-autoregressive workdirs (a nat section in their run "
             f"config); {o.workdir} holds an autoregressive model: use --beam_size"
         )
     if non_autoregressive:
         if o.temperature > 0:
-            raise files.InputError(
+            raise line_io.InputError(
                 "--temperature samples an autoregressive decoder; this workdir holds a "
                 "non-autoregressive one: use --iterations and --length_beam"
             )
         if o.report:
-            raise files.InputError(
+            raise line_io.InputError(
                 "--report compares teacher forcing with autoregressive decoding; this workdir "
                 "holds a non-autoregressive model"
             )
         if o.min_len:
-            raise files.InputError("--min_len applies to autoregressive workdirs only")
+            raise line_io.InputError("--min_len applies to autoregressive workdirs only")
 
 
 def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> None:
@@ -141,14 +143,14 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     if o.attention_png:
         num_layers = run_config.model.num_decoder_layers
         reports.check_attention_layer(o.attention_layer, num_layers)
-    lines, num_invalid = files.read_lines(o.input)
+    lines, num_invalid = line_io.read_lines(o.input)
     references = None
     if o.reference:
-        references, num_invalid_ref = files.read_lines(o.reference)
+        references, num_invalid_ref = line_io.read_lines(o.reference)
         reports.check_line_counts(len(lines), len(references))
         num_invalid += num_invalid_ref if o.score or o.report else 0
     if not lines:
-        files.write_lines(o.output, [])
+        line_io.write_lines(o.output, [])
         log("input is empty: nothing to decode")
         return
     max_source_len = run_config.data.max_source_len
@@ -188,7 +190,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
         seed=o.seed,
         progress=None,  # a bar only on a terminal
     )
-    files.write_lines(o.output, [files.format_line(h, o.nbest) for h in result.hypotheses])
+    line_io.write_lines(o.output, [line_io.format_line(h, o.nbest) for h in result.hypotheses])
     log(reports.summary(result))
     if references is not None:
         log(reports.bleu_report(result.texts, references))
@@ -234,5 +236,5 @@ def _score(o, model, params, tokenizer, run_config, sources, references) -> None
     result = scoring.score_lines(
         model, params, run_config, sources, targets, batch_size=o.batch_size, progress=None
     )
-    files.write_lines(o.output, scoring.format_scores(result, tokens=o.score_tokens))
+    line_io.write_lines(o.output, scoring.format_scores(result, tokens=o.score_tokens))
     log(scoring.summary(result))

@@ -1,0 +1,1 @@
+"""Benchmarks and device checks: what `bench.py` and `tools/device_check.sh` measure."""

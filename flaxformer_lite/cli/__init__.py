@@ -1,0 +1,1 @@
+"""The command-line tools' shared helpers, and what each command does with its flag values."""
