@@ -4,7 +4,7 @@ The weights are exported once (`export/to_ctranslate2.py`) as float32 and as int
 three engines (ours in float32 through `Seq2SeqModel.predict`, CTranslate2 float32,
 CTranslate2 int8) then decode the same sources: greedy and beam search, at each batch
 size, every search made to run exactly `new_tokens` steps (EOS forbidden before, as in
-`decode_benchmark.py`). After one warm-up call each (ours compiles there), the runs are
+`decoding.py`). After one warm-up call each (ours compiles there), the runs are
 interleaved round by round, so a slower or busier stretch of the machine hits every
 engine alike, and the median of the rounds is reported. CTranslate2 runs with
 `intra_threads` = every core, as XLA:CPU does.

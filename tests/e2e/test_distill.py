@@ -189,7 +189,7 @@ def test_interrupted_write_leaves_no_corpus(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         written.append(path)
 
-    monkeypatch.setattr(distill, "atomic_write", failing)
+    monkeypatch.setattr(distillation, "atomic_write", failing)
     with pytest.raises(KeyboardInterrupt):
         distillation.write_corpus(str(tmp_path / "c"), {"train.src": ["a"], "train.tgt": ["b"]}, {})
     assert os.listdir(tmp_path) == []
