@@ -98,7 +98,7 @@ class AutoregressiveModel(Seq2SeqModel):
 
     def _outputs(self, params, batch, decoder_inputs, **kw):
         """What the loss reads: logits, or the copy mixture's inputs (its [B, T, W]
-        log-probabilities are never built in training, `objectives/pointer_generator.py`)."""
+        log-probabilities are never built in training, `objectives/copy_loss.py`)."""
         if self.copy is not None:
             kw["parts"] = True
         return self._forward(params, batch, decoder_inputs, **kw)

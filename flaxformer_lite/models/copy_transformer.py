@@ -122,7 +122,7 @@ class CopyTransformer(nn.Module):
         """Teacher-forced log P float32[B, T, W] for decoder inputs int[B, T] (BOS + prefix,
         extended ids allowed); with `return_gate` also p_gen float32[B, T]; with `parts`
         instead the mixture's inputs (`_parts`), from which the training loss is computed
-        without the [B, T, W] tensor (`objectives/pointer_generator.py`)."""
+        without the [B, T, W] tensor (`objectives/copy_loss.py`)."""
         self_mask, cross, positions = decoder_masks(
             source_valid, decoder_inputs, packing, self.config.decoder_window
         )

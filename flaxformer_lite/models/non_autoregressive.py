@@ -14,7 +14,7 @@ one call, so it needs the output length before it starts. Two length modes:
 Training is conditional masked language modelling: `masking="uniform"` masks
 k ~ U{1..n} target tokens per row (CMLM, so Mask-Predict can refine), `"all"`
 masks every token (single-pass NAT); the loss covers the masked tokens
-(`objectives/non_autoregressive.py`). Prediction is `search/non_autoregressive.py`:
+(`objectives/nat_loss.py`). Prediction is `search/non_autoregressive.py`:
 `length_beam` length candidates decoded in parallel, `iterations` Mask-Predict
 calls each, the best candidate by mean token log-probability first.
 

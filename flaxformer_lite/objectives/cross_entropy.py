@@ -136,7 +136,7 @@ def sums_of(
     segments: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """`metrics_sums` from per-token losses float32[B, T] (0 at padding) and the argmax
-    int[B, T] of any output distribution (the copy head's: `objectives/pointer_generator.py`)."""
+    int[B, T] of any output distribution (the copy head's: `objectives/copy_loss.py`)."""
     weights = (labels != PAD_ID).astype(jnp.float32)
     hit = (predicted == labels).astype(jnp.float32) * weights
     if segments is None:
@@ -175,7 +175,7 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
         "token_accuracy": float(sums["correct"]) / tokens,
         "teacher_forced_sequence_accuracy": float(sums["seq_correct"]) / sequences,
     }
-    if "length_rows" in sums:  # a length classifier (`objectives/non_autoregressive.py`)
+    if "length_rows" in sums:  # a length classifier (`objectives/nat_loss.py`)
         rows = max(float(sums["length_rows"]), 1.0)
         out["length_loss"] = float(sums["length_loss"]) / rows
         out["length_accuracy"] = float(sums["length_correct"]) / rows

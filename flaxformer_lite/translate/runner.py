@@ -3,7 +3,7 @@
 The guarantee: exactly one result per input line, in input order. Empty lines
 are passed through as empty outputs without running the model, and over-long
 sources are truncated (or refused with `strict`). Reading and writing the
-lines is `files.py`'s; BLEU, plots and messages are `reports.py`'s.
+lines is `line_io.py`'s; BLEU, plots and messages are `reports.py`'s.
 
 Bucketing: sources are sorted by length, grouped into batches of a fixed
 number of rows, and each batch is padded to the smallest length of a fixed
