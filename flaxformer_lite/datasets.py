@@ -290,9 +290,9 @@ def _load_parallel_text(data: DataConfig, log: Log) -> Splits:
 
 
 def _load_tsv(data: DataConfig, log: Log) -> Splits:
-    from flaxformer_lite.data import translation
+    from flaxformer_lite.data import tsv_pairs
 
-    splits = translation.load_tsv_pairs(
+    splits = tsv_pairs.load_tsv_pairs(
         data.tsv_path,
         tfds_dir=tfds_dir(data),
         source_column=data.source_column,
@@ -306,9 +306,9 @@ def _load_tsv(data: DataConfig, log: Log) -> Splits:
 
 
 def _load_catalog(data: DataConfig, log: Log) -> Splits:
-    from flaxformer_lite.data import translation
+    from flaxformer_lite.data import catalog
 
-    splits = translation.load_catalog(
+    splits = catalog.load_catalog(
         data.dataset,
         source_lang=data.source_lang,
         target_lang=data.target_lang,

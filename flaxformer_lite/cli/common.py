@@ -116,15 +116,15 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     from flaxformer_lite.config import ConfigError
-    from flaxformer_lite.training import checkpoints
+    from flaxformer_lite.training import checkpoint_format
     from flaxformer_lite.training.restore import StepSpecError
 
     return (
         ConfigError,
         WorkdirError,
-        checkpoints.CheckpointIntegrityError,
-        checkpoints.CheckpointFormatError,
-        checkpoints.CheckpointWriteError,
+        checkpoint_format.CheckpointIntegrityError,
+        checkpoint_format.CheckpointFormatError,
+        checkpoint_format.CheckpointWriteError,
         StepSpecError,
         FileNotFoundError,
     )

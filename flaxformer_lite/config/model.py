@@ -90,6 +90,13 @@ class TransformerConfig:
     def __post_init__(self):
         if isinstance(self.remat, bool):  # run configs saved when remat was a switch
             object.__setattr__(self, "remat", "full" if self.remat else "none")
+        # In this order, so that a config with several mistakes names the same one first.
+        self._check_sizes()
+        self._check_subsampling()
+        self._check_heads_and_vocabularies()
+        self._check_choices()
+
+    def _check_sizes(self):
         for name in (
             "vocab_size",
             "vocab_multiple",
@@ -114,7 +121,8 @@ class TransformerConfig:
                 raise ConfigError(
                     f"model.{name} must be 0 (full attention) or a window r >= 1, got {value!r}"
                 )
-        self._check_subsampling()
+
+    def _check_heads_and_vocabularies(self):
         if self.target_vocab_size is not None and self.target_vocab_size < 1:
             raise ConfigError(
                 f"model.target_vocab_size must be a positive integer or None, "
@@ -133,6 +141,8 @@ class TransformerConfig:
                 f"and target_vocab_size={self.target_vocab_size}; set "
                 "model.share_embeddings=False or make the sizes equal"
             )
+
+    def _check_choices(self):
         for name, allowed in (
             ("positions", POSITIONS),
             ("norm", NORMS),

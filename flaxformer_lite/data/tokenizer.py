@@ -9,8 +9,8 @@ The model code relies on these ids and never looks them up:
 * ``EOS_ID = 3``: end of sequence; :func:`with_eos` appends it (keeping it last when cutting
   to a maximum length) and :meth:`Tokenizer.decode` stops at it.
 
-Training is in memory and deterministic: the same texts and arguments give a byte-identical
-serialized model, so a vocabulary can be rebuilt instead of shipped.
+Training is in memory and deterministic (``spm_training.py``): the same texts and arguments
+give a byte-identical serialized model, so a vocabulary can be rebuilt instead of shipped.
 
 :class:`Vocabularies` pairs a source and a target tokenizer: one shared model (the
 default; ``vocab.spm`` in a workdir) or two separate ones (``vocab.source.spm`` and
@@ -20,7 +20,6 @@ default; ``vocab.spm`` in a workdir) or two separate ones (``vocab.source.spm`` 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -30,8 +29,7 @@ import sentencepiece as spm
 
 from flaxformer_lite.atomic_files import atomic_write
 from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
-
-_MODEL_TYPES = ("unigram", "bpe", "char", "word")
+from flaxformer_lite.data import spm_training
 
 
 class VocabularyFileError(FileNotFoundError):
@@ -102,53 +100,19 @@ class Tokenizer:
         user_defined_symbols: Sequence[str] = (),
         normalization_rule_name: str = "identity",
     ) -> Tokenizer:
-        """Trains a tokenizer in memory on ``texts``.
-
-        Args:
-            texts: training sentences, one string each (iterated once).
-            vocab_size: target vocabulary size including the 4 reserved pieces. It is a soft
-                limit: when the data cannot support that many pieces SentencePiece returns a
-                smaller vocabulary instead of failing.
-            model_type: "unigram", "bpe", "char" or "word".
-            split_digits: split numbers into single digits, so every number is spelled with
-                the same 10 pieces.
-            character_coverage: fraction of characters covered by the vocabulary; the rest map
-                to ``UNK_ID``.
-            user_defined_symbols: pieces that are always kept whole.
-            normalization_rule_name: SentencePiece normalization. The default "identity" keeps
-                every character as is, so ``decode(encode(text)) == text`` for texts made of
-                known characters and single spaces, which exact-match metrics rely on.
-
-        Returns:
-            The trained tokenizer.
-        """
-        if model_type not in _MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
-        model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            split_digits=split_digits,
-            character_coverage=character_coverage,
-            user_defined_symbols=list(user_defined_symbols),
-            normalization_rule_name=normalization_rule_name,
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            hard_vocab_limit=False,
-            # Determinism: one thread, every sentence used in input order (no random sampling
-            # or shuffling of the input).
-            num_threads=1,
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            # Sentences longer than the default 4192 bytes would otherwise be skipped silently.
-            max_sentence_length=1 << 16,
-            minloglevel=2,
+        """Trains a tokenizer in memory on ``texts``; the arguments are those of
+        :func:`~.spm_training.train_model`."""
+        return cls.from_bytes(
+            spm_training.train_model(
+                texts,
+                vocab_size,
+                model_type,
+                split_digits=split_digits,
+                character_coverage=character_coverage,
+                user_defined_symbols=user_defined_symbols,
+                normalization_rule_name=normalization_rule_name,
+            )
         )
-        return cls.from_bytes(model.getvalue())
 
     @classmethod
     def from_bytes(cls, model: bytes) -> Tokenizer:

@@ -1,12 +1,13 @@
-"""Real translation corpora as splits for :mod:`flaxformer_lite.data.pipeline`.
+"""Line-aligned translation corpora as splits, and what every local corpus builder shares.
 
 Every loader returns ``{split: source}``, each source a random-access sequence of
 ``{"source": bytes, "target": bytes}`` (UTF-8) read from ``array_record`` files:
 
-* :func:`load_parallel_text`: line-aligned ``{split}.{lang}[.gz]`` files (e.g. Multi30k);
-* :func:`load_tsv_pairs`: a tab-separated file of pairs (e.g. Anki's ``fra.txt``), seeded split;
-* :func:`load_catalog`: a TFDS catalog dataset such as ``wmt14_translate/de-en`` (preparing it
-  needs network access and TensorFlow; reading prepared ``array_record`` data does not).
+* :func:`load_parallel_text` (here): line-aligned ``{split}.{lang}[.gz]`` files (e.g. Multi30k);
+* ``tsv_pairs.load_tsv_pairs``: a tab-separated file of pairs (e.g. Anki's ``fra.txt``), seeded
+  split;
+* ``catalog.load_catalog``: a TFDS catalog dataset such as ``wmt14_translate/de-en`` (preparing
+  it needs network access and TensorFlow; reading prepared ``array_record`` data does not).
 
 The local builders need no TensorFlow. They check the whole corpus before writing anything, and
 their config name holds a fingerprint (path, size, mtime) of the input files, so an edited
@@ -23,18 +24,10 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import tensorflow_datasets as tfds
 
 from flaxformer_lite.data._tfds import SKIPPED_KEY, Log, PairsBuilder, prepare
-from flaxformer_lite.data.catalog import (  # noqa: F401  (re-exported)
-    CatalogError,
-    CatalogPairs,
-    load_catalog,
-)
-from flaxformer_lite.data.common import SPLITS, check_fractions, seeded_split
 
-TSV_SPLITS: tuple[str, ...] = SPLITS
 # TFDS names its files "{dataset}-{split}.array_record-...", so a split must be a single word.
 _WORD = re.compile(r"\w+", re.ASCII)
 
@@ -43,7 +36,7 @@ class CorpusError(ValueError):
     """A local corpus is missing, empty, misaligned, malformed or not valid UTF-8."""
 
 
-def _read_lines(path: str) -> Iterator[str]:
+def read_lines(path: str) -> Iterator[str]:
     """Yields the lines of a plain or gzipped (``.gz``) UTF-8 file.
 
     Only the line ending (``\\n`` or ``\\r\\n``) and a UTF-8 byte-order mark at the start of the
@@ -73,7 +66,7 @@ def _read_lines(path: str) -> Iterator[str]:
         ) from e
 
 
-def _fingerprint(paths: Sequence[str]) -> str:
+def files_fingerprint(paths: Sequence[str]) -> str:
     """Returns 10 hex digits that change when any of ``paths`` is moved, resized or touched."""
     digest = hashlib.sha256()
     for path in paths:
@@ -82,7 +75,7 @@ def _fingerprint(paths: Sequence[str]) -> str:
     return digest.hexdigest()[:10]
 
 
-def _safe_name(text: str) -> str:
+def safe_name(text: str) -> str:
     """Returns ``text`` reduced to ``[A-Za-z0-9_]`` for use in a config (directory) name."""
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_") or "corpus"
 
@@ -115,9 +108,9 @@ class ParallelTextConfig(tfds.core.BuilderConfig):
         self.files: dict[str, tuple[str, str]] = {
             split: _split_files(data_dir, split, langs, found) for split in splits
         }
-        fingerprint = _fingerprint([path for pair in self.files.values() for path in pair])
+        fingerprint = files_fingerprint([path for pair in self.files.values() for path in pair])
         super().__init__(
-            name=f"{_safe_name(os.path.basename(data_dir))}_{source_lang}-{target_lang}_"
+            name=f"{safe_name(os.path.basename(data_dir))}_{source_lang}-{target_lang}_"
             f"{fingerprint}",
             version=tfds.core.Version("1.0.0"),
             description=f"{source_lang}->{target_lang} pairs of splits {splits} of {data_dir}.",
@@ -198,7 +191,7 @@ def _check_aligned(source_path: str, target_path: str) -> int:
     """
     counts = [0, 0]
     kept = skipped = 0
-    for source, target in itertools.zip_longest(_read_lines(source_path), _read_lines(target_path)):
+    for source, target in itertools.zip_longest(read_lines(source_path), read_lines(target_path)):
         counts[0] += source is not None
         counts[1] += target is not None
         if source is not None and target is not None:
@@ -222,8 +215,9 @@ def _check_aligned(source_path: str, target_path: str) -> int:
     return skipped
 
 
-class _PairsBuilder(PairsBuilder, skip_registration=True):
-    """The local corpus builders: their ``DatasetInfo`` saves the skipped-pair counts."""
+class LocalPairsBuilder(PairsBuilder, skip_registration=True):
+    """The local corpus builders (here and `tsv_pairs.py`): their ``DatasetInfo`` saves the
+    skipped-pair counts."""
 
     STORES_METADATA: ClassVar[bool] = True
 
@@ -231,7 +225,7 @@ class _PairsBuilder(PairsBuilder, skip_registration=True):
         return f"Sentence pairs from local files ({self.__class__.__name__})."
 
 
-class ParallelText(_PairsBuilder, skip_registration=True):
+class ParallelText(LocalPairsBuilder, skip_registration=True):
     """TFDS builder of a line-aligned corpus; construct it with a :class:`ParallelTextConfig`.
 
     Features ``{"source": Text, "target": Text}`` in file order, keyed by 1-based line number.
@@ -248,122 +242,10 @@ class ParallelText(_PairsBuilder, skip_registration=True):
         return {split: self._generate_examples(*paths) for split, paths in files.items()}
 
     def _generate_examples(self, source_path: str, target_path: str) -> Iterator[tuple[int, dict]]:
-        pairs = zip(_read_lines(source_path), _read_lines(target_path))
+        pairs = zip(read_lines(source_path), read_lines(target_path))
         for number, (source, target) in enumerate(pairs, start=1):
             if source and target:
                 yield number, {"source": source, "target": target}
-
-
-def split_line_indices(
-    num_lines: int, *, seed: int, valid_fraction: float, test_fraction: float
-) -> dict[str, np.ndarray]:
-    """Assigns the lines ``0 .. num_lines - 1`` of a pairs file to splits, reproducibly.
-
-    The lines are assigned by :func:`~.common.seeded_split`. The split is by line, not by
-    content: a pair repeated on several lines may land in several splits.
-
-    Returns:
-        ``{"train": ..., "validation": ..., "test": ...}`` of sorted ``int64[n_split]`` arrays of
-        0-based line indices; they are disjoint and together hold every index once.
-    """
-    indices = seeded_split(
-        num_lines, seed=seed, valid_fraction=valid_fraction, test_fraction=test_fraction
-    )
-    return {split: np.sort(ids) for split, ids in indices.items()}
-
-
-class PairsTSVConfig(tfds.core.BuilderConfig):
-    """Config of :class:`PairsTSV`: the file, which fields are source and target, and the split
-    (:func:`split_line_indices` over all lines). The ``name`` encodes every argument and a
-    fingerprint of the file."""
-
-    def __init__(
-        self,
-        *,
-        path: str | os.PathLike,
-        source_column: int = 0,
-        target_column: int = 1,
-        seed: int = 0,
-        valid_fraction: float = 0.05,
-        test_fraction: float = 0.05,
-    ) -> None:
-        path = os.path.abspath(os.fspath(path))
-        if not os.path.isfile(path):
-            raise CorpusError(f"Pairs file {path} does not exist; pass the path of a .tsv file")
-        if min(source_column, target_column) < 0:
-            raise ValueError(f"Columns must be >= 0, got {source_column} and {target_column}")
-        check_fractions(valid_fraction, test_fraction)
-        super().__init__(
-            name=f"{_safe_name(os.path.basename(path))}_c{source_column}-{target_column}_s{seed}"
-            f"_v{valid_fraction:g}_t{test_fraction:g}_{_fingerprint([path])}",
-            version=tfds.core.Version("1.0.0"),
-            description=f"Fields {source_column} -> {target_column} of {path}, split with seed "
-            f"{seed}, validation fraction {valid_fraction}, test fraction {test_fraction}.",
-        )
-        self.path = path
-        self.columns = (source_column, target_column)
-        self.seed = seed
-        self.valid_fraction = valid_fraction
-        self.test_fraction = test_fraction
-
-    def pair(self, line: str, number: int) -> tuple[str, str]:
-        """Returns the ``(source, target)`` fields of line ``number`` (1-based); ``("", "")``
-        for a blank line."""
-        if not line:
-            return "", ""
-        fields = line.split("\t")
-        if len(fields) <= max(self.columns):
-            raise CorpusError(
-                f"{os.path.basename(self.path)} line {number} has {len(fields)} tab-separated "
-                f"field(s) but {max(self.columns) + 1} are needed for source_column, "
-                f"target_column = {self.columns}; fix the line or the columns "
-                f"(line: {line[:80]!r})"
-            )
-        return fields[self.columns[0]], fields[self.columns[1]]
-
-
-class PairsTSV(_PairsBuilder, skip_registration=True):
-    """TFDS builder of a tab-separated pairs file; construct it with a :class:`PairsTSVConfig`.
-
-    Features ``{"source": Text, "target": Text}``; splits "train", "validation", "test", each
-    in file order and keyed by 1-based line number. Extra fields (e.g. an attribution column)
-    are ignored; blank lines and pairs with an empty side are skipped and counted in
-    ``info.metadata["skipped_empty_pairs"]``.
-    """
-
-    def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[int, dict]]]:
-        del dl_manager
-        config = self.builder_config
-        # One checking pass before anything is written, as in `ParallelText`.
-        empty = []
-        num_lines = 0
-        for num_lines, line in enumerate(_read_lines(config.path), start=1):
-            if not all(config.pair(line, num_lines)):
-                empty.append(num_lines - 1)
-        if num_lines == 0:
-            raise CorpusError(f"{config.path} is empty; pass a file with one pair per line")
-        indices = split_line_indices(
-            num_lines,
-            seed=config.seed,
-            valid_fraction=config.valid_fraction,
-            test_fraction=config.test_fraction,
-        )
-        skipped = {split: int(np.isin(empty, ids).sum()) for split, ids in indices.items()}
-        self.info.metadata[SKIPPED_KEY] = skipped
-        # TFDS cannot write a split without examples, so those are filled in by the loader.
-        return {
-            split: self._generate_examples(ids)
-            for split, ids in indices.items()
-            if len(ids) > skipped[split]
-        }
-
-    def _generate_examples(self, indices: np.ndarray) -> Iterator[tuple[int, dict]]:
-        wanted = set(indices.tolist())
-        for index, line in enumerate(_read_lines(self.builder_config.path)):
-            if index in wanted:
-                source, target = self.builder_config.pair(line, index + 1)
-                if source and target:
-                    yield index + 1, {"source": source, "target": target}
 
 
 def load_parallel_text(
@@ -394,37 +276,3 @@ def load_parallel_text(
     )
     builder = ParallelText(data_dir=os.fspath(tfds_dir), config=config, file_format="array_record")
     return prepare(builder, config.splits, log)
-
-
-def load_tsv_pairs(
-    path: str | os.PathLike,
-    *,
-    tfds_dir: str | os.PathLike,
-    source_column: int = 0,
-    target_column: int = 1,
-    seed: int = 0,
-    valid_fraction: float = 0.05,
-    test_fraction: float = 0.05,
-    log: Log = print,
-) -> dict[str, Sequence[dict[str, bytes]]]:
-    """Prepares (once per file state and arguments) and opens a tab-separated pairs file.
-
-    Splits are made by :func:`split_line_indices`; :class:`PairsTSV` says what is skipped. For
-    ``fra.txt`` (``English<TAB>French``) the default columns give en->fr, and
-    ``source_column=1, target_column=0`` gives fr->en.
-
-    Returns:
-        ``{split: source}`` for "train", "validation" and "test"; each source is a random-access
-        sequence of ``{"source": bytes, "target": bytes}`` in file order. A split without
-        examples (e.g. fraction 0) is an empty tuple.
-    """
-    config = PairsTSVConfig(
-        path=path,
-        source_column=source_column,
-        target_column=target_column,
-        seed=seed,
-        valid_fraction=valid_fraction,
-        test_fraction=test_fraction,
-    )
-    builder = PairsTSV(data_dir=os.fspath(tfds_dir), config=config, file_format="array_record")
-    return prepare(builder, TSV_SPLITS, log)

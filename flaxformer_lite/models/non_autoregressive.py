@@ -14,7 +14,7 @@ one call, so it needs the output length before it starts. Two length modes:
 Training is conditional masked language modelling: `masking="uniform"` masks
 k ~ U{1..n} target tokens per row (CMLM, so Mask-Predict can refine), `"all"`
 masks every token (single-pass NAT); the loss covers the masked tokens
-(`objectives/nat_loss.py`). Prediction is `search/non_autoregressive.py`:
+(`objectives/nat_loss.py`). Prediction is `search/mask_predict.py`:
 `length_beam` length candidates decoded in parallel, `iterations` Mask-Predict
 calls each, the best candidate by mean token log-probability first.
 
@@ -42,7 +42,7 @@ from flaxformer_lite.models.packing import Packing
 from flaxformer_lite.models.transformer import token_validity
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.objectives import nat_loss as objective
-from flaxformer_lite.search import non_autoregressive as search_lib
+from flaxformer_lite.search import mask_predict as search_lib
 
 LENGTH_MODES = ("predict", "fixed")
 DECODER_INPUTS = ("mask", "copy")

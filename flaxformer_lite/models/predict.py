@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.copy_transformer import CopyTransformer
 from flaxformer_lite.models.transformer import Transformer, init_cache, token_validity
-from flaxformer_lite.search import autoregressive
+from flaxformer_lite.search import beam, sampling
 
 
 def _apply(model, variables, *args, method: str):
@@ -193,11 +193,11 @@ def decode(
         first_tokens=first,
     )
     if search.method == "beam":
-        return autoregressive.beam_search(
+        return beam.beam_search(
             step, cache, batch_size=batch, beam_size=beams, alpha=search.alpha, **shared
         )
     if search.method == "sample":
-        tokens = autoregressive.sample_search(
+        tokens = sampling.sample_search(
             step,
             cache,
             batch_size=batch,
@@ -208,7 +208,7 @@ def decode(
             **shared,
         )
     elif search.method == "greedy":
-        tokens = autoregressive.greedy_search(step, cache, batch_size=batch, **shared)
+        tokens = sampling.greedy_search(step, cache, batch_size=batch, **shared)
     else:
         raise ValueError(f"unknown search method {search.method!r}: greedy, sample or beam")
     return tokens[:, None, :], jnp.zeros((batch, 1), jnp.float32)

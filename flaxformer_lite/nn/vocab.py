@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 # A padded column's logit: exp(PADDED_LOGIT - log Z) == 0 in float32, yet finite, so that
-# 0 * logit stays 0 and beam sums stay ordered (search.autoregressive.NEG_INF is -1e7).
+# 0 * logit stays 0 and beam sums stay ordered (search.primitives.NEG_INF is -1e7).
 PADDED_LOGIT = -1.0e9
 
 

@@ -111,7 +111,7 @@ def evaluate(
         for k, v in jax.device_get(eval_fn(params, batch)).items():
             totals[k] = totals.get(k, 0.0) + float(v)
         # Under the mesh, the searches keep each device's top-k on its own rows
-        # (`search.autoregressive.rows_top_k`) instead of gathering the batch.
+        # (`search.primitives.rows_top_k`) instead of gathering the batch.
         with jax.set_mesh(mesh):
             decoded = decode_fn(params, batch)  # [B, T]
         # A plain host copy with one process, an all-gather across processes.

@@ -25,11 +25,11 @@ import orbax.checkpoint as ocp
 
 from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.models import layer_layout
-from flaxformer_lite.training import checkpoint_checks, checkpoints
+from flaxformer_lite.training import checkpoint_checks, checkpoint_format
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, load_run_config
 
 PARAMS = "params"  # the train state's field holding the model parameters
-STATE_ITEM = checkpoints.STATE_ITEM  # orbax item of the train state
+STATE_ITEM = checkpoint_format.STATE_ITEM  # orbax item of the train state
 STEP_SPECS = ("latest", "latest-good", "best")  # besides a step number
 
 
@@ -76,7 +76,7 @@ def verify_params(params: Any, meta: dict[str, Any], where: str) -> None:
         reason = (
             f"{len(bad)} parameter array(s) differ from their saved checksums (first: {bad[0]})"
         )
-        raise checkpoints.CheckpointIntegrityError(
+        raise checkpoint_format.CheckpointIntegrityError(
             f"{where} is corrupted: {reason}; restore an earlier step or delete this one", reason
         )
 
@@ -129,7 +129,7 @@ def _resolve(
 ) -> tuple[int, Any]:
     """(step, its verified params if reading them was how it was found, else None)."""
     directory = os.path.join(workdir, CHECKPOINT_DIR)
-    steps = checkpoints.list_steps(workdir)
+    steps = checkpoint_format.list_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {directory}")
     if spec == "latest":
@@ -147,19 +147,19 @@ def _resolve(
     for step in reversed(steps):
         try:
             params = _read_verified(workdir, step, sharding)
-        except checkpoints.CheckpointFormatError:
+        except checkpoint_format.CheckpointFormatError:
             raise
         except Exception as e:
-            if checkpoints.is_out_of_memory(e):
+            if checkpoint_format.is_out_of_memory(e):
                 raise
-            bad.append((step, checkpoints.short_reason(e)))
+            bad.append((step, checkpoint_format.short_reason(e)))
             continue
         for s, why in bad:
             log(f"warning: checkpoint {s} in {directory} is unusable ({why}); using step {step}")
         return step, params
     listed = ", ".join(str(s) for s, _ in bad)
     verb = "is" if len(bad) == 1 else "are all"
-    raise checkpoints.CheckpointIntegrityError(
+    raise checkpoint_format.CheckpointIntegrityError(
         f"no usable checkpoint in {directory}: step{'s' * (len(bad) > 1)} {listed} {verb} "
         f"unusable (first, {bad[0][0]}: {bad[0][1]}); pass another --workdir"
     )
@@ -169,13 +169,13 @@ def _best(workdir: str, steps: list[int]) -> int:
     metrics, metric, mode = {}, "loss", "min"
     for step in steps:
         try:
-            meta = checkpoints.read_meta(workdir, step)
-        except checkpoints.CheckpointIntegrityError:
+            meta = checkpoint_format.read_meta(workdir, step)
+        except checkpoint_format.CheckpointIntegrityError:
             continue  # an unreadable step cannot be ranked
         if meta.get("metrics"):
             metrics[step] = meta["metrics"]
             metric, mode = meta.get("best_metric", metric), meta.get("best_mode", mode)
-    best = checkpoints.best_steps(metrics, metric, mode)
+    best = checkpoint_format.best_steps(metrics, metric, mode)
     if not best:
         directory = os.path.join(workdir, CHECKPOINT_DIR)
         what = f"a finite validation {metric!r}" if metrics else "validation metrics"
@@ -189,8 +189,8 @@ def _best(workdir: str, steps: list[int]) -> int:
 def _read_verified(workdir: str, step: int, sharding: jax.sharding.Sharding) -> Any:
     """The params of checkpoint `step`, checked against its format and checksums."""
     directory = os.path.join(workdir, CHECKPOINT_DIR)
-    meta = checkpoints.read_meta(workdir, step)
-    checkpoints.check_format(meta, step, directory)
+    meta = checkpoint_format.read_meta(workdir, step)
+    checkpoint_format.check_format(meta, step, directory)
     params = _read_params(os.path.join(directory, str(step)), sharding)
     verify_params(params, meta, f"checkpoint {step} in {directory}")
     return params
@@ -199,7 +199,7 @@ def _read_verified(workdir: str, step: int, sharding: jax.sharding.Sharding) -> 
 def _steps_to_average(workdir: str, step: int, average: int) -> list[int]:
     """The checkpoint steps whose parameters are averaged, in step order."""
     directory = os.path.join(workdir, CHECKPOINT_DIR)
-    chosen = [s for s in checkpoints.list_steps(workdir) if s <= step][-average:]
+    chosen = [s for s in checkpoint_format.list_steps(workdir) if s <= step][-average:]
     if len(chosen) < average:
         raise FileNotFoundError(
             f"averaging {average} checkpoints needs {average} up to step {step}, but "

@@ -4,7 +4,7 @@ Layout of a workdir:
 
   workdir/
     run_config.json      the full run config of the run that made it (marks ownership)
-    checkpoints/<step>/  orbax checkpoints (see checkpoints.py)
+    checkpoints/<step>/  orbax checkpoints (see checkpoint_format.py)
     checkpoints-corrupt/<step>/  checkpoints found unusable when resuming, moved
                          aside (never deleted)
     vocab.spm            the shared tokenizer, or vocab.source.spm and

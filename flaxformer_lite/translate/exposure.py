@@ -16,7 +16,7 @@ import numpy as np
 from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.evaluation import exposure_bias, exposure_probe
 from flaxformer_lite.models import predict
-from flaxformer_lite.translate import runner, scoring
+from flaxformer_lite.translate import bucketing, scoring
 from flaxformer_lite.translate.line_io import InputError
 
 
@@ -75,7 +75,7 @@ def report_lines(
     model,
     params,
     run_config: RunConfig,
-    sources: runner.Sources,
+    sources: bucketing.Sources,
     targets: scoring.Targets,
     greedy_ids: Sequence[Sequence[int]],
     *,
@@ -99,21 +99,21 @@ def report_lines(
     max_target_len = run_config.data.max_target_len
     probe = exposure_probe.Probe.for_search(model, search, target_vocab)
     source_lengths = [len(ids) for ids in sources.ids]
-    rows = runner.batch_rows(source_lengths, batch_size)
+    rows = bucketing.batch_rows(source_lengths, batch_size)
     batches = scoring.plan_pair_batches(
         source_lengths,
         [len(ids) for ids in targets.ids],
         rows,
-        runner.bucket_lengths(run_config.data.max_source_len),
-        runner.bucket_lengths(max_target_len),
+        bucketing.bucket_lengths(run_config.data.max_source_len),
+        bucketing.bucket_lengths(max_target_len),
     )
     parts = []
     for indices, source_len, target_len in batches:
         batch = {
-            "inputs": runner.pad_rows(sources.ids, indices, rows, source_len),  # int32[B, S]
-            "targets": runner.pad_rows(targets.ids, indices, rows, target_len),  # int32[B, T]
+            "inputs": bucketing.pad_rows(sources.ids, indices, rows, source_len),  # int32[B, S]
+            "targets": bucketing.pad_rows(targets.ids, indices, rows, target_len),  # int32[B, T]
         }
-        greedy = runner.pad_rows(greedy_ids, indices, rows, search.max_len)  # int32[B, L]
+        greedy = bucketing.pad_rows(greedy_ids, indices, rows, search.max_len)  # int32[B, L]
         real = np.arange(rows) < len(indices)  # [B]; the other rows are all-PAD filler
         parts.append(probe.arrays(params, batch, greedy).rows(real))
     return probe.report(parts, min_width=max_target_len)

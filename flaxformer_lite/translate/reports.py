@@ -47,8 +47,8 @@ def multimodality_line(result, references: Sequence[str], target_vocab) -> str:
 def input_warnings(num_invalid_utf8: int, sources, max_source_len: int) -> list[str]:
     """One line per kind of bad input, with its count of lines.
 
-    `num_invalid_utf8`: lines with invalid UTF-8 or NUL bytes (`files.read_lines`).
-    `sources`: a `runner.Sources` (its num_truncated and num_unknown counts).
+    `num_invalid_utf8`: lines with invalid UTF-8 or NUL bytes (`line_io.read_lines`).
+    `sources`: a `bucketing.Sources` (its num_truncated and num_unknown counts).
     """
     out = []
     if num_invalid_utf8:

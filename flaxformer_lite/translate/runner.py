@@ -3,12 +3,8 @@
 The guarantee: exactly one result per input line, in input order. Empty lines
 are passed through as empty outputs without running the model, and over-long
 sources are truncated (or refused with `strict`). Reading and writing the
-lines is `line_io.py`'s; BLEU, plots and messages are `reports.py`'s.
-
-Bucketing: sources are sorted by length, grouped into batches of a fixed
-number of rows, and each batch is padded to the smallest length of a fixed
-set (`bucket_lengths`), so a file of any size and mix of lengths compiles the
-search at most `len(bucket_lengths(max_source_len))` times.
+lines is `line_io.py`'s; BLEU, plots and messages are `reports.py`'s; grouping
+the tokenized lines into padded batches of a few fixed shapes is `bucketing.py`'s.
 """
 
 from __future__ import annotations
@@ -28,8 +24,16 @@ from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.models import predict
-from flaxformer_lite.training import checkpoints
+from flaxformer_lite.training import checkpoint_format
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, load_run_config
+from flaxformer_lite.translate.bucketing import (
+    Sources,
+    batch_rows,
+    bucket_lengths,
+    pad_rows,
+    plan_batches,
+    too_long_error,
+)
 from flaxformer_lite.translate.line_io import InputError
 
 # Workdir and search settings.
@@ -58,7 +62,7 @@ def open_workdir(workdir: str, step: str | int | None = None) -> tuple[RunConfig
     spec = restore.parse_step(step)
     run_config = load_run_config(workdir)
     ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
-    steps = checkpoints.list_steps(workdir)
+    steps = checkpoint_format.list_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}; run train.py --workdir {workdir}")
     if isinstance(spec, int) and spec not in steps:
@@ -137,9 +141,6 @@ def make_search(
     )
 
 
-# Tokenizing and bucketing.
-
-
 def make_nat_search(
     run_config: RunConfig,
     *,
@@ -192,32 +193,7 @@ def make_nat_search(
     )
 
 
-def bucket_lengths(max_source_len: int) -> tuple[int, ...]:
-    """Source lengths batches are padded to: powers of two from 8 below the max, and the max."""
-    lengths, n = [], 8  # shorter buckets would save little and compile more often
-    while n < max_source_len:
-        lengths.append(n)
-        n *= 2
-    return (*lengths, max_source_len)
-
-
-@dataclasses.dataclass
-class Sources:
-    """Tokenized input lines (counts are of lines)."""
-
-    ids: list[list[int]]  # per line: source ids ending in EOS; [] for an empty line
-    num_empty: int = 0
-    num_truncated: int = 0
-    num_unknown: int = 0  # lines with characters the vocabulary does not know (UNK_ID)
-    oov: list[tuple[str, ...]] | None = None  # extended ids: each line's unknown pieces
-
-    def detokenizer(self, target_vocab: Tokenizer):
-        """(ids of line i's output, i) -> text; a copy head's extended ids take the text of
-        line i's own unknown pieces (`data/extended_ids.py`)."""
-        if self.oov is None:
-            return lambda ids, i: target_vocab.decode(ids)
-        extended = ExtendedVocabulary(target_vocab)
-        return lambda ids, i: extended.decode(ids, self.oov[i])
+# Tokenizing.
 
 
 def tokenize_lines(
@@ -300,54 +276,6 @@ def is_speech(run_config: RunConfig) -> bool:
     return bool(run_config.model.input_features)
 
 
-def too_long_error(numbers: list[int], what: str, max_len: int, side: str) -> InputError:
-    """The --strict refusal of over-long lines, naming the first few (1-based)."""
-    shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
-    return InputError(
-        f"{len(numbers)} {what} line(s) exceed the model's {max_len} {side} tokens "
-        f"(line {shown}); shorten them, or drop --strict to truncate"
-    )
-
-
-def plan_batches(
-    lengths: Sequence[int], batch_size: int, buckets: Sequence[int]
-) -> list[tuple[list[int], int]]:
-    """Groups the non-empty lines into batches of similar length.
-
-    Args:
-      lengths: source length per line (0 = empty, not decoded).
-    Returns:
-      [(line indices, at most batch_size of them, padded length)], longest first,
-      so that running out of memory shows on the first batch.
-    """
-    order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
-    batches = []
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        longest = lengths[rows[0]]
-        batches.append((rows, next(b for b in buckets if b >= longest)))
-    return batches
-
-
-def pad_rows(ids: Sequence[Sequence[int]], indices: Sequence[int], rows: int, length: int):
-    """int32[rows, length] of the chosen lines' ids, PAD_ID-padded; all-PAD rows fill the rest.
-
-    Feature lines (float32[K, F] each) give (float32[rows, length, F] padded with 0,
-    bool[rows, length] marking the real frames) instead."""
-    if indices and isinstance(ids[indices[0]], np.ndarray) and ids[indices[0]].ndim == 2:
-        width = ids[indices[0]].shape[1]
-        frames = np.zeros((rows, length, width), np.float32)
-        valid = np.zeros((rows, length), bool)
-        for row, i in enumerate(indices):
-            frames[row, : len(ids[i])] = ids[i]
-            valid[row, : len(ids[i])] = True
-        return frames, valid
-    out = np.full((rows, length), PAD_ID, np.int32)
-    for row, i in enumerate(indices):
-        out[row, : len(ids[i])] = ids[i]
-    return out
-
-
 # Decoding.
 
 
@@ -379,16 +307,6 @@ class DecodeResult:
             ids = [t for t in tokens[row, 0].tolist() if t != PAD_ID]  # as Tokenizer.decode
             self.output_ids[i] = ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
             self.num_output_tokens += len(self.output_ids[i])
-
-
-def batch_rows(lengths: Sequence[int], batch_size: int) -> int:
-    """Rows of every batch: batch_size, or fewer if fewer lines are non-empty.
-
-    Every batch has the same number of rows, so shapes vary only by bucket.
-    """
-    if batch_size < 1:
-        raise InputError(f"--batch_size must be >= 1, got {batch_size}")
-    return min(batch_size, sum(1 for n in lengths if n)) or 1
 
 
 def progress_bar(total: int, desc: str, progress: bool | None):

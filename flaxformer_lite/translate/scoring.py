@@ -28,7 +28,7 @@ import numpy as np
 from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies, with_eos
-from flaxformer_lite.translate import runner
+from flaxformer_lite.translate import bucketing, runner
 from flaxformer_lite.translate.line_io import InputError
 
 
@@ -69,7 +69,7 @@ def tokenize_targets(
         out.ids.append(ids)
     out.num_truncated = len(too_long)
     if strict and too_long:
-        raise runner.too_long_error(too_long, "reference", max_target_len, "target")
+        raise bucketing.too_long_error(too_long, "reference", max_target_len, "target")
     return out
 
 
@@ -125,7 +125,7 @@ def score_lines(
     model,
     params,
     run_config: RunConfig,
-    sources: runner.Sources,
+    sources: bucketing.Sources,
     targets: Targets,
     *,
     batch_size: int = 32,
@@ -146,21 +146,21 @@ def score_lines(
     source_lengths = [len(ids) for ids in sources.ids]
     target_lengths = [len(ids) for ids in targets.ids]
     live = sum(1 for n in source_lengths if n)
-    rows = runner.batch_rows(source_lengths, batch_size)
+    rows = bucketing.batch_rows(source_lengths, batch_size)
     batches = plan_pair_batches(
         source_lengths,
         target_lengths,
         rows,
-        runner.bucket_lengths(run_config.data.max_source_len),
-        runner.bucket_lengths(run_config.data.max_target_len),
+        bucketing.bucket_lengths(run_config.data.max_source_len),
+        bucketing.bucket_lengths(run_config.data.max_target_len),
     )
     result = ScoreResult([None] * len(source_lengths), [[] for _ in source_lengths], set())
     bar = runner.progress_bar(live, "score", progress)
     start = time.perf_counter()
     for indices, source_len, target_len in batches:
         batch = {
-            "inputs": runner.pad_rows(sources.ids, indices, rows, source_len),  # int32[B, S]
-            "targets": runner.pad_rows(targets.ids, indices, rows, target_len),  # int32[B, T]
+            "inputs": bucketing.pad_rows(sources.ids, indices, rows, source_len),  # int32[B, S]
+            "targets": bucketing.pad_rows(targets.ids, indices, rows, target_len),  # int32[B, T]
         }
         result.batch_shapes.add((rows, source_len, target_len))
         token_logp, sequence_logp = map(np.asarray, score_batch(model, params, batch))

@@ -14,7 +14,7 @@ from configs import default
 from flaxformer_lite.config import ConfigError, sections
 from flaxformer_lite.config import run as run_config
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
-from flaxformer_lite.training import checkpoints, load_state
+from flaxformer_lite.training import checkpoint_format, load_state
 from flaxformer_lite.training.state import param_shapes
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, claim_workdir
 
@@ -303,11 +303,11 @@ def test_different_d_ff_refused_naming_a_parameter(tmp_path):
 
 
 def test_list_steps_skips_unfinished_saves(tmp_path):
-    assert checkpoints.list_steps(str(tmp_path)) == []
+    assert checkpoint_format.list_steps(str(tmp_path)) == []
     ckpts = tmp_path / CHECKPOINT_DIR
     for name in ("20", "3", "30.orbax-checkpoint-tmp-17", "notes"):
         (ckpts / name).mkdir(parents=True)
-    assert checkpoints.list_steps(str(tmp_path)) == [3, 20]
+    assert checkpoint_format.list_steps(str(tmp_path)) == [3, 20]
 
 
 # --- every config file trains two steps ---

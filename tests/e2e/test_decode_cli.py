@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.translate import line_io, reports, runner
+from flaxformer_lite.translate import bucketing, line_io, reports, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -75,11 +75,11 @@ def test_read_lines(tmp_path, data, lines, invalid):
 
 
 def test_buckets_and_batch_plan():
-    assert runner.bucket_lengths(10) == (8, 10)
-    assert runner.bucket_lengths(256) == (8, 16, 32, 64, 128, 256)
-    assert runner.bucket_lengths(100) == (8, 16, 32, 64, 100)
-    assert runner.bucket_lengths(5) == (5,)
-    plan = runner.plan_batches([3, 0, 9, 5, 12, 1], 2, (8, 16))
+    assert bucketing.bucket_lengths(10) == (8, 10)
+    assert bucketing.bucket_lengths(256) == (8, 16, 32, 64, 128, 256)
+    assert bucketing.bucket_lengths(100) == (8, 16, 32, 64, 100)
+    assert bucketing.bucket_lengths(5) == (5,)
+    plan = bucketing.plan_batches([3, 0, 9, 5, 12, 1], 2, (8, 16))
     assert plan == [([4, 2], 16), ([3, 0], 8), ([5], 8)]  # the empty line 1 is not decoded
 
 
@@ -166,7 +166,7 @@ def test_order_preserved_and_compilations_bounded(loaded, no_compilation_cache):
         )
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    buckets = runner.bucket_lengths(run_config.data.max_source_len)
+    buckets = bucketing.bucket_lengths(run_config.data.max_source_len)
     assert {length for _, length in together.batch_shapes} == set(buckets)
     assert len(together.batch_shapes) <= len(buckets)
     # Exactly one compilation per distinct batch shape: none wasted, and the count

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from test_decode_cli import run_decode
 
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.training import checkpoints, restore
+from flaxformer_lite.training import checkpoint_format, restore
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
 # A failed orbax read or write leaves its unfinished coroutines to the garbage collector.
@@ -116,7 +116,7 @@ def test_latest_good_skips_a_corrupted_step_and_moves_nothing(copy):
     assert restore.resolve_step(copy, "latest-good", log=warnings.append) == 10
     assert tree_listing(copy) == before  # decoding never changes a workdir
     truncate_arrays(copy, 10)
-    with pytest.raises(checkpoints.CheckpointIntegrityError, match="steps 20, 10 are all"):
+    with pytest.raises(checkpoint_format.CheckpointIntegrityError, match="steps 20, 10 are all"):
         restore.resolve_step(copy, "latest-good", log=warnings.append)
 
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.training import checkpoints, load_state, loop, restore
+from flaxformer_lite.training import checkpoint_format, checkpoints, load_state, loop, restore
 from flaxformer_lite.training.nonfinite import NonFiniteError
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
@@ -33,7 +33,7 @@ def _leaves(tree):
 
 
 def _steps(workdir):
-    return checkpoints.list_steps(workdir)
+    return checkpoint_format.list_steps(workdir)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_newest_good_one(trained, 
     assert any("resumed from step 10" in m for m in messages), messages
     assert results["step"] == 20 and _steps(workdir)[-1] == 20  # step 20 trained again
     # The corrupted step was set aside whole, not deleted.
-    aside = os.path.join(workdir, CHECKPOINT_DIR + checkpoints.CORRUPT_SUFFIX, "20")
+    aside = os.path.join(workdir, CHECKPOINT_DIR + checkpoint_format.CORRUPT_SUFFIX, "20")
     assert os.path.isdir(os.path.join(aside, "state")), os.listdir(os.path.dirname(aside))
     # Training from the good step 10 gave the same step 20 as the original run.
     _, again, _, _ = load_state.restore_trained(workdir, 20)
@@ -215,7 +215,7 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
         monkeypatch.setattr(checkpoints.Checkpointer, "save", fill_then_save)
         # No metrics record between the two saves: the save is what meets the full disk.
         config = tiny_config(tfds_dir, num_steps=30, checkpoint_every=5, log_every=100)
-        with pytest.raises(checkpoints.CheckpointWriteError) as e:
+        with pytest.raises(checkpoint_format.CheckpointWriteError) as e:
             loop.train_and_evaluate(parse(config), workdir, log=quiet)
         assert "\n" not in str(e.value), str(e.value)
         assert "checkpoint 30" in str(e.value) and "(step 25) is kept" in str(e.value)
@@ -288,7 +288,7 @@ def _preempt(workdir, tfds_dir, *flags) -> int:
 def test_sigterm_saves_a_checkpoint_and_exits_0(tfds_dir, tmp_path):
     workdir = tmp_path / "run"
     step = _preempt(workdir, tfds_dir)
-    meta = checkpoints.read_meta(str(workdir), step)
+    meta = checkpoint_format.read_meta(str(workdir), step)
     assert meta["step"] == step and meta["data"]["next_batch"] == step  # resumes at step + 1
     _, state, _, _ = load_state.restore_trained(str(workdir))
     assert int(state.step) == step

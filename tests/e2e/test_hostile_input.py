@@ -28,7 +28,7 @@ from flaxformer_lite.cli import decode as decode_cli
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.models import from_config
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
-from flaxformer_lite.translate import line_io, runner
+from flaxformer_lite.translate import bucketing, line_io, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 BOM = b"\xef\xbb\xbf"
@@ -239,7 +239,7 @@ def test_any_bytes_give_one_output_line_per_input_line(
     _, params, vocab, run_config = loaded
     output, messages = decode_file(workdir, data, scratch, params)
     check_decoded(data, output, messages, vocab, run_config, decode_alone)
-    buckets = runner.bucket_lengths(run_config.data.max_source_len)
+    buckets = bucketing.bucket_lengths(run_config.data.max_source_len)
     assert len(compilations) <= 2 * len(buckets)
 
 

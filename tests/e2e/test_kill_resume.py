@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from flaxformer_lite.training import checkpoints, load_state
+from flaxformer_lite.training import checkpoint_format, load_state
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 NUM_STEPS, CHECKPOINT_EVERY = 24, 3
@@ -61,12 +61,12 @@ def run_to_end(command: list[str], log_path: str) -> str:
 def run_and_kill(command: list[str], workdir: str, log_path: str, delay: float) -> int:
     """Starts train.py, waits until it has written a checkpoint it did not start from, and
     SIGKILLs it `delay` seconds later. Returns the last finished checkpoint at the kill."""
-    start = max(checkpoints.list_steps(workdir), default=0)
+    start = max(checkpoint_format.list_steps(workdir), default=0)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while max(checkpoints.list_steps(workdir), default=0) <= start:
+        while max(checkpoint_format.list_steps(workdir), default=0) <= start:
             assert process.poll() is None, f"train.py ended before a checkpoint: {log_path}"
             assert time.monotonic() < deadline, f"no new checkpoint in {TIMEOUT_S} s"
             time.sleep(0.02)
@@ -78,7 +78,7 @@ def run_and_kill(command: list[str], workdir: str, log_path: str, delay: float) 
         if process.poll() is None:
             process.kill()
             process.wait(timeout=60)
-    return max(checkpoints.list_steps(workdir))
+    return max(checkpoint_format.list_steps(workdir))
 
 
 def train_records(workdir: str) -> list[dict]:

@@ -28,7 +28,7 @@ from flaxformer_lite.config import run as run_config
 from flaxformer_lite.data import numbers, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.parallel import distributed
-from flaxformer_lite.training import checkpoints, load_state
+from flaxformer_lite.training import checkpoint_format, load_state
 
 PROCESSES, LOCAL_DEVICES = 2, 2
 
@@ -242,7 +242,7 @@ def test_dead_peer_ends_the_job(prepared_tfds, tmp_path, victim):
     workdir = str(tmp_path / "run")
     procs = _launch_train_py(tmp_path, prepared_tfds, workdir, num_steps=100_000)
     try:
-        _wait_for(lambda: checkpoints.list_steps(workdir), procs, tmp_path, "a checkpoint")
+        _wait_for(lambda: checkpoint_format.list_steps(workdir), procs, tmp_path, "a checkpoint")
         code, waited = _kill_and_wait(procs, victim)
     finally:
         _stop(procs)
@@ -256,7 +256,7 @@ def test_dead_peer_ends_the_job(prepared_tfds, tmp_path, victim):
     else:
         assert "Either the leader task was preempted/died/restarted unexpectedly" in log
     _, state, _, _ = load_state.restore_trained(workdir)
-    assert int(state.step) == checkpoints.list_steps(workdir)[-1]
+    assert int(state.step) == checkpoint_format.list_steps(workdir)[-1]
 
 
 @pytest.mark.slow
@@ -267,13 +267,13 @@ def test_a_killed_job_restarted_resumes_from_its_last_checkpoint(prepared_tfds, 
     first.mkdir()
     procs = _launch_train_py(first, prepared_tfds, workdir, steps)
     try:
-        reached_4 = lambda: max(checkpoints.list_steps(workdir), default=0) >= 4
+        reached_4 = lambda: max(checkpoint_format.list_steps(workdir), default=0) >= 4
         _wait_for(reached_4, procs, first, "checkpoint 4")
         code, _ = _kill_and_wait(procs, victim=1)
     finally:
         _stop(procs)
     assert code != 0
-    last = checkpoints.list_steps(workdir)[-1]  # a save cut short does not count
+    last = checkpoint_format.list_steps(workdir)[-1]  # a save cut short does not count
     assert 4 <= last < steps
     procs = _launch_train_py(tmp_path, prepared_tfds, workdir, steps)
     try:
@@ -284,7 +284,7 @@ def test_a_killed_job_restarted_resumes_from_its_last_checkpoint(prepared_tfds, 
     assert codes == [0, 0], log[-3000:]
     assert f"resumed from step {last} in " in log
     assert f"step {steps} test:" in log
-    assert checkpoints.list_steps(workdir)[-1] == steps
+    assert checkpoint_format.list_steps(workdir)[-1] == steps
 
 
 @pytest.mark.slow
@@ -298,7 +298,7 @@ def test_sigterm_to_one_process_stops_the_job_at_one_step_with_a_checkpoint(
     first.mkdir()
     procs = _launch_train_py(first, prepared_tfds, workdir, num_steps=100_000)
     try:
-        _wait_for(lambda: checkpoints.list_steps(workdir), procs, first, "a checkpoint")
+        _wait_for(lambda: checkpoint_format.list_steps(workdir), procs, first, "a checkpoint")
         procs[1].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=120) for p in procs]
     finally:
@@ -308,7 +308,7 @@ def test_sigterm_to_one_process_stops_the_job_at_one_step_with_a_checkpoint(
     last = logs[0].strip().splitlines()[-1]
     assert last.startswith("preempted at step ") and "checkpoint saved" in last, logs[0][-3000:]
     step = int(last.split()[3].rstrip(";"))
-    assert checkpoints.list_steps(workdir)[-1] == step
+    assert checkpoint_format.list_steps(workdir)[-1] == step
     procs = _launch_train_py(tmp_path, prepared_tfds, workdir, step + 2)
     try:
         codes = [p.wait(timeout=240) for p in procs]

@@ -10,8 +10,8 @@ import pytest
 from conftest import tiny_config
 
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.training import checkpoints, load_state, loop
-from flaxformer_lite.training.checkpoints import CheckpointIntegrityError
+from flaxformer_lite.training import checkpoint_format, checkpoints, load_state, loop
+from flaxformer_lite.training.checkpoint_format import CheckpointIntegrityError
 from flaxformer_lite.training.workdir import WorkdirError
 
 
@@ -125,16 +125,16 @@ def test_corrupted_checkpoint_is_detected(tmp_path):
     # Step 2 written behind the checkpointer's back, with orbax alone: a different array of
     # the same structure under step 1's checksums, as a silent bit flip would leave it.
     with ocp.CheckpointManager(
-        ckpt.directory, item_names=(checkpoints.STATE_ITEM, checkpoints.META_ITEM)
+        ckpt.directory, item_names=(checkpoint_format.STATE_ITEM, checkpoint_format.META_ITEM)
     ) as foreign:
         foreign.save(
             2,
             args=ocp.args.Composite(
                 **{
-                    checkpoints.STATE_ITEM: ocp.args.StandardSave(
+                    checkpoint_format.STATE_ITEM: ocp.args.StandardSave(
                         {"w": state["w"].at[3].set(7.0), "b": state["b"]}
                     ),
-                    checkpoints.META_ITEM: ocp.args.JsonSave(meta | {"step": 2}),
+                    checkpoint_format.META_ITEM: ocp.args.JsonSave(meta | {"step": 2}),
                 }
             ),
         )

@@ -1,4 +1,4 @@
-"""Tests of flaxformer_lite.data.translation: local corpora, TSV pairs and TFDS catalog access."""
+"""Tests of the corpus loaders: data/translation.py, data/tsv_pairs.py and data/catalog.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import catalog, translation
-from flaxformer_lite.data.translation import CatalogError, CorpusError
+from flaxformer_lite.data import catalog, translation, tsv_pairs
+from flaxformer_lite.data.catalog import CatalogError
+from flaxformer_lite.data.translation import CorpusError
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -211,16 +212,16 @@ def test_multi30k(tmp_path):
 
 def test_split_line_indices_is_seeded_disjoint_and_complete():
     kwargs = {"seed": 3, "valid_fraction": 0.1, "test_fraction": 0.05}
-    indices = translation.split_line_indices(1000, **kwargs)
-    again = translation.split_line_indices(1000, **kwargs)
-    assert all(np.array_equal(indices[s], again[s]) for s in translation.TSV_SPLITS)
-    other = translation.split_line_indices(1000, **{**kwargs, "seed": 4})
+    indices = tsv_pairs.split_line_indices(1000, **kwargs)
+    again = tsv_pairs.split_line_indices(1000, **kwargs)
+    assert all(np.array_equal(indices[s], again[s]) for s in tsv_pairs.TSV_SPLITS)
+    other = tsv_pairs.split_line_indices(1000, **{**kwargs, "seed": 4})
     assert not np.array_equal(indices["validation"], other["validation"])
     assert [len(indices[s]) for s in ("validation", "test", "train")] == [100, 50, 850]
     assert np.array_equal(np.sort(np.concatenate(list(indices.values()))), np.arange(1000))
     assert all(np.all(np.diff(ids) > 0) for ids in indices.values())  # File order.
     with pytest.raises(ValueError, match="valid_fraction"):
-        translation.split_line_indices(10, seed=0, valid_fraction=0.6, test_fraction=0.4)
+        tsv_pairs.split_line_indices(10, seed=0, valid_fraction=0.6, test_fraction=0.4)
 
 
 def test_tsv_pairs_split_columns_and_skips(tmp_path):
@@ -231,19 +232,19 @@ def test_tsv_pairs_split_columns_and_skips(tmp_path):
     _write(path, lines)
     kwargs = {"seed": 7, "valid_fraction": 0.1, "test_fraction": 0.2}
     logs: list[str] = []
-    sources = translation.load_tsv_pairs(path, tfds_dir=tfds_dir, log=logs.append, **kwargs)
-    expected = translation.split_line_indices(200, **kwargs)
-    for split in translation.TSV_SPLITS:
+    sources = tsv_pairs.load_tsv_pairs(path, tfds_dir=tfds_dir, log=logs.append, **kwargs)
+    expected = tsv_pairs.split_line_indices(200, **kwargs)
+    for split in tsv_pairs.TSV_SPLITS:
         kept = [i for i in expected[split] if i not in (6, 8)]
         assert _pairs(sources[split]) == [(f"en {i}", f"fr {i}") for i in kept]
         skipped = len(expected[split]) - len(kept)
         assert f"  {split}: {len(kept)} pairs, {skipped} skipped (empty)" in logs
 
-    reversed_ = translation.load_tsv_pairs(
+    reversed_ = tsv_pairs.load_tsv_pairs(
         path, tfds_dir=tfds_dir, source_column=1, target_column=0, log=logs.append, **kwargs
     )
     assert _pairs(reversed_["test"]) == [(t, s) for s, t in _pairs(sources["test"])]
-    attribution = translation.load_tsv_pairs(
+    attribution = tsv_pairs.load_tsv_pairs(
         path, tfds_dir=tfds_dir, target_column=2, log=logs.append, **kwargs
     )
     assert all(t.startswith("CC-BY 2.0 (France) #") for _, t in _pairs(attribution["train"]))
@@ -252,10 +253,10 @@ def test_tsv_pairs_split_columns_and_skips(tmp_path):
 def test_tsv_pairs_zero_fraction_gives_empty_split(tmp_path):
     path = tmp_path / "pairs.tsv"
     _write(path, [f"s{i}\tt{i}" for i in range(20)])
-    sources = translation.load_tsv_pairs(
+    sources = tsv_pairs.load_tsv_pairs(
         path, tfds_dir=tmp_path / "tfds", valid_fraction=0.0, test_fraction=0.25, log=print
     )
-    assert [len(sources[s]) for s in translation.TSV_SPLITS] == [15, 0, 5]
+    assert [len(sources[s]) for s in tsv_pairs.TSV_SPLITS] == [15, 0, 5]
     assert sources["validation"] == ()
 
 
@@ -274,7 +275,7 @@ def test_tsv_pairs_bad_file(tmp_path, content, message):
     path, tfds_dir = tmp_path / "pairs.tsv", tmp_path / "tfds"
     _write(path, content)
     with pytest.raises(CorpusError, match=message):
-        translation.load_tsv_pairs(path, tfds_dir=tfds_dir, log=print)
+        tsv_pairs.load_tsv_pairs(path, tfds_dir=tfds_dir, log=print)
     assert not _leftovers(tfds_dir)
 
 
@@ -296,7 +297,7 @@ def test_catalog_with_tfds_mock_data(
     tmp_path, without_tensorflow_check, name, source_lang, target_lang
 ):
     with tfds.testing.mock_data(num_examples=5, policy=tfds.testing.MockPolicy.USE_CODE):
-        sources = translation.load_catalog(
+        sources = catalog.load_catalog(
             name,
             source_lang=source_lang,
             target_lang=target_lang,
@@ -342,14 +343,14 @@ def fake_catalog(tmp_path, monkeypatch) -> pathlib.Path:
 
 
 def test_catalog_adapter_on_prepared_array_record(fake_catalog):
-    sources = translation.load_catalog(
+    sources = catalog.load_catalog(
         "fake/de-en", source_lang="en", target_lang="de", tfds_dir=fake_catalog, download=False
     )
     assert {split: len(source) for split, source in sources.items()} == {"train": 6, "test": 2}
     assert _pairs(sources["train"])[4] == ("sentence 4", "Satz 4")
     batch = sources["train"].__getitems__([5, 0])
     assert [record["target"] for record in batch] == [b"Satz 5", b"Satz 0"]
-    only_test = translation.load_catalog(
+    only_test = catalog.load_catalog(
         "fake/de-en", source_lang="de", target_lang="en", tfds_dir=fake_catalog, splits=["test"]
     )
     assert _pairs(only_test["test"]) == [("Satz 0", "sentence 0"), ("Satz 1", "sentence 1")]
@@ -361,22 +362,22 @@ def test_catalog_prepared_as_tfrecord_is_explained(fake_catalog):
     info = json.loads(info_path.read_text())
     info_path.write_text(json.dumps({**info, "fileFormat": "tfrecord"}))
     with pytest.raises(CatalogError, match=r"as tfrecord files.*file_format='array_record'"):
-        translation.load_catalog(
+        catalog.load_catalog(
             "fake/de-en", source_lang="de", target_lang="en", tfds_dir=fake_catalog
         )
 
 
 def test_catalog_names_and_features_are_checked(tmp_path):
     with pytest.raises(CatalogError, match=r"no feature 'fr'; its features are \['de', 'en'\]"):
-        translation.load_catalog(
+        catalog.load_catalog(
             "wmt14_translate/de-en", source_lang="fr", target_lang="en", tfds_dir=tmp_path
         )
     with pytest.raises(CatalogError, match="No TFDS catalog dataset 'no_such_dataset/x'"):
-        translation.load_catalog(
+        catalog.load_catalog(
             "no_such_dataset/x", source_lang="a", target_lang="b", tfds_dir=tmp_path
         )
     with pytest.raises(CatalogError, match="not prepared .* pass download=True"):
-        translation.load_catalog(
+        catalog.load_catalog(
             "wmt14_translate/de-en",
             source_lang="de",
             target_lang="en",
@@ -388,7 +389,7 @@ def test_catalog_names_and_features_are_checked(tmp_path):
 @pytest.mark.skipif(HAS_TENSORFLOW, reason="checks the message shown when TensorFlow is absent")
 def test_catalog_needs_tensorflow_to_prepare(tmp_path):
     with pytest.raises(CatalogError, match=r'pip install -e "\.\[tf\]".*load_parallel_text'):
-        translation.load_catalog(
+        catalog.load_catalog(
             "ted_hrlr_translate/pt_to_en", source_lang="pt", target_lang="en", tfds_dir=tmp_path
         )
 
@@ -408,7 +409,7 @@ def test_catalog_download_failure_points_to_local_loaders(
 
     monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", offline)
     with pytest.raises(CatalogError, match="could not be downloaded") as raised:
-        translation.load_catalog(
+        catalog.load_catalog(
             "ted_hrlr_translate/pt_to_en", source_lang="pt", target_lang="en", tfds_dir=tmp_path
         )
     assert "load_parallel_text" in str(raised.value) and "load_tsv_pairs" in str(raised.value)

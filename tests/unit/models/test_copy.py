@@ -26,7 +26,7 @@ from flaxformer_lite.models import pointer_generator as pg
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.objectives import copy_loss
-from flaxformer_lite.search import autoregressive as search
+from flaxformer_lite.search import beam, sampling
 
 V = 24
 CFG = TransformerConfig(
@@ -346,7 +346,7 @@ def test_beam_search_with_the_head_finds_the_copied_hypothesis():
 
     expected = brute_force(3)
     assert expected == [v, EOS_ID]
-    seqs, _ = search.beam_search(
+    seqs, _ = beam.beam_search(
         tokens_to_logits,
         {"dummy": jnp.zeros((2, 1))},
         batch_size=1,
@@ -357,7 +357,7 @@ def test_beam_search_with_the_head_finds_the_copied_hypothesis():
         alpha=0.0,
     )
     assert np.asarray(seqs[0, 0]).tolist() == [v, EOS_ID, PAD_ID]
-    greedy = search.greedy_search(
+    greedy = sampling.greedy_search(
         tokens_to_logits, {}, batch_size=1, max_len=3, bos_id=BOS_ID, eos_id=EOS_ID
     )
     assert np.asarray(greedy[0]).tolist()[0] == a  # greedy misses it

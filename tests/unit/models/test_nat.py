@@ -23,7 +23,7 @@ from flaxformer_lite.models.nat_transformer import NATransformer, uniform_copy_i
 from flaxformer_lite.models.non_autoregressive import NATSearch, NonAutoregressiveModel
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.objectives import nat_loss as objective
-from flaxformer_lite.search import non_autoregressive as search
+from flaxformer_lite.search import mask_predict as search
 
 MASK = BOS_ID
 SOURCES = jnp.array([[5, 6, 7, 8, EOS_ID, 0], [9, 10, EOS_ID, 0, 0, 0]])

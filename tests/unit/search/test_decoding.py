@@ -12,7 +12,7 @@ from flax import linen as nn
 
 from flaxformer_lite.models import layer_layout, predict
 from flaxformer_lite.models.transformer import Transformer, init_cache
-from flaxformer_lite.search import autoregressive
+from flaxformer_lite.search import beam, sampling
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -192,11 +192,9 @@ BEAM_BEATS_GREEDY = {
 
 def test_beam_search_beats_greedy_exactly():
     fn, cache = table_lm(BEAM_BEATS_GREEDY, 4)
-    greedy = autoregressive.greedy_search(
-        fn, cache, batch_size=1, max_len=4, bos_id=BOS, eos_id=EOS
-    )
+    greedy = sampling.greedy_search(fn, cache, batch_size=1, max_len=4, bos_id=BOS, eos_id=EOS)
     assert greedy.tolist() == [[A, C, EOS, 0]]
-    seqs, scores = autoregressive.beam_search(
+    seqs, scores = beam.beam_search(
         fn, cache, batch_size=1, beam_size=2, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     assert seqs[0, 0].tolist() == [B_, EOS, 0, 0]
@@ -204,7 +202,7 @@ def test_beam_search_beats_greedy_exactly():
     # The runner-up is greedy's answer, one token longer.
     assert seqs[0, 1].tolist() == [A, C, EOS, 0]
     assert float(scores[0, 1]) == pytest.approx(math.log(0.6 * 0.55), abs=1e-5)
-    one, _ = autoregressive.beam_search(
+    one, _ = beam.beam_search(
         fn, cache, batch_size=1, beam_size=1, max_len=4, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     np.testing.assert_array_equal(one[:, 0], greedy)
@@ -219,7 +217,7 @@ def test_beams_finish_at_different_lengths_nbest_sorted():
         (1, C): {EOS: 1.0},
     }
     fn, cache = table_lm(rules, 5)
-    seqs, scores = autoregressive.beam_search(
+    seqs, scores = beam.beam_search(
         fn, cache, batch_size=1, beam_size=3, max_len=5, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     expected = [([A, A, EOS, 0, 0], 0.5 * 0.8), ([B_, EOS, 0, 0, 0], 0.3), ([C, EOS, 0, 0, 0], 0.2)]
@@ -241,9 +239,9 @@ LENGTH_PENALTY_RULES = {
 def test_length_penalty_changes_the_winner():
     fn, cache = table_lm(LENGTH_PENALTY_RULES, 6)
     kwargs = dict(batch_size=1, beam_size=2, max_len=6, bos_id=BOS, eos_id=EOS)
-    seqs, scores = autoregressive.beam_search(fn, cache, alpha=0.0, **kwargs)
+    seqs, scores = beam.beam_search(fn, cache, alpha=0.0, **kwargs)
     assert seqs[0, 0, :2].tolist() == [B_, EOS]
-    seqs, scores = autoregressive.beam_search(fn, cache, alpha=2.0, **kwargs)
+    seqs, scores = beam.beam_search(fn, cache, alpha=2.0, **kwargs)
     assert seqs[0, 0, :4].tolist() == [A, A, A, EOS]
     lp = ((5 + 4) / 6) ** 2.0
     assert float(scores[0, 0]) == pytest.approx(math.log(0.45) / lp, abs=1e-5)
@@ -258,18 +256,18 @@ def test_beam_search_skips_steps_once_every_beam_finished():
         jax.debug.callback(lambda: calls.append(1))
         return fn(ids, cache)
 
-    seqs, scores = autoregressive.beam_search(
+    seqs, scores = beam.beam_search(
         recording, cache, batch_size=2, beam_size=2, max_len=32, bos_id=BOS, eos_id=EOS, alpha=0.0
     )
     jax.effects_barrier()
-    assert len(calls) == autoregressive.SKIP_CHUNK  # the first chunk only, not all 32 steps
+    assert len(calls) == beam.SKIP_CHUNK  # the first chunk only, not all 32 steps
     assert seqs[0, 0, :2].tolist() in ([A, EOS], [B_, EOS])
     np.testing.assert_allclose(scores, math.log(0.5), atol=1e-6)
 
 
 def test_min_len_forbids_early_eos():
     fn, cache = table_lm({(0, BOS): {EOS: 0.9, A: 0.1}, (1, A): {EOS: 1.0}}, 3)
-    out = autoregressive.greedy_search(
+    out = sampling.greedy_search(
         fn, cache, batch_size=1, max_len=3, bos_id=BOS, eos_id=EOS, min_len=1
     )
     assert out.tolist() == [[A, EOS, 0]]
@@ -311,23 +309,21 @@ def test_batch_rows_are_independent_in_beam_search(beam_size):
     alone = []
     for r in rules:
         fn, cache = table_lm(r, 6)
-        alone.append(autoregressive.beam_search(fn, cache, batch_size=1, **kw))
+        alone.append(beam.beam_search(fn, cache, batch_size=1, **kw))
     # The examples really differ, so a row fed another's table would show.
     assert len({tuple(np.asarray(s)[0, 0]) for s, _ in alone}) == 3
     for order in ([0, 1, 2], [2, 0, 1]):
         fn, cache = per_row_table_lm([rules[i] for i in order], 6, beam_size)
-        seqs, scores = autoregressive.beam_search(fn, cache, batch_size=3, **kw)
+        seqs, scores = beam.beam_search(fn, cache, batch_size=3, **kw)
         for row, i in enumerate(order):
             np.testing.assert_array_equal(seqs[row], alone[i][0][0])
             np.testing.assert_allclose(scores[row], alone[i][1][0], atol=1e-6)
     if beam_size == 1:
         fn, cache = per_row_table_lm(rules, 6, 1)
-        greedy = autoregressive.greedy_search(
-            fn, cache, batch_size=3, max_len=6, bos_id=BOS, eos_id=EOS
-        )
+        greedy = sampling.greedy_search(fn, cache, batch_size=3, max_len=6, bos_id=BOS, eos_id=EOS)
         for row, r in enumerate(rules):
             fn1, cache1 = table_lm(r, 6)
-            one = autoregressive.greedy_search(
+            one = sampling.greedy_search(
                 fn1, cache1, batch_size=1, max_len=6, bos_id=BOS, eos_id=EOS
             )
             np.testing.assert_array_equal(greedy[row], one[0])
@@ -348,7 +344,7 @@ ROW = [-1.0, 0.5, -2.0, 0.0, 2.0, 1.0, 1.5]  # distinct; order: 4 > 6 > 5 > 1 > 
 
 def test_top_k_never_leaves_the_allowed_set():
     fn, cache = _constant_lm(ROW, 4000)
-    out = autoregressive.sample_search(
+    out = sampling.sample_search(
         fn,
         cache,
         batch_size=4000,
@@ -368,7 +364,7 @@ def test_top_p_never_leaves_the_nucleus():
     cum = np.cumsum(probs[order])
     nucleus = set(order[: int(np.searchsorted(cum, 0.8)) + 1].tolist())
     fn, cache = _constant_lm(ROW, 4000)
-    out = autoregressive.sample_search(
+    out = sampling.sample_search(
         fn,
         cache,
         batch_size=4000,
@@ -386,16 +382,16 @@ def test_top_p_never_leaves_the_nucleus():
 def test_sampling_is_reproducible_and_temperature_zero_is_greedy():
     fn, cache = _constant_lm(ROW, 64)
     kw = dict(batch_size=64, max_len=5, bos_id=BOS, eos_id=-1, temperature=1.0)
-    a = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
-    b = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
-    c = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(8), **kw)
+    a = sampling.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    b = sampling.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    c = sampling.sample_search(fn, cache, rng=jax.random.PRNGKey(8), **kw)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     assert len(np.unique(np.asarray(a))) > 3  # it really samples
     kw["temperature"] = 0.0
-    g = autoregressive.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
+    g = sampling.sample_search(fn, cache, rng=jax.random.PRNGKey(7), **kw)
     assert np.all(np.asarray(g) == 4)
     with pytest.raises(ValueError, match="rng"):
-        autoregressive.sample_search(
+        sampling.sample_search(
             fn, cache, batch_size=2, max_len=1, bos_id=BOS, eos_id=EOS, temperature=0.5
         )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from flaxformer_lite.search import autoregressive
+from flaxformer_lite.search import sampling
 
 BOS = 2
 LOGITS = np.array([-1.0, 0.5, -2.0, 0.0, 2.0, 1.0, 1.5, -0.5])  # distinct; order 4 6 5 1 3 7 0 2
@@ -37,7 +37,7 @@ def _expected(temperature, top_k=0, top_p=1.0):
 )
 def test_first_token_frequencies_match_the_softmax(temperature, top_k, top_p):
     logits = jnp.tile(jnp.asarray(LOGITS, jnp.float32), (ROWS, 1))
-    out = autoregressive.sample_search(
+    out = sampling.sample_search(
         lambda ids, cache: (logits, cache),
         {},
         batch_size=ROWS,

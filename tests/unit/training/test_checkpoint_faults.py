@@ -16,16 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.training import checkpoints, restore
-from flaxformer_lite.training.checkpoints import (
-    Checkpointer,
+from flaxformer_lite.training import checkpoint_format, restore
+from flaxformer_lite.training.checkpoint_format import (
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointWriteError,
-    WorkdirError,
 )
+from flaxformer_lite.training.checkpoints import Checkpointer
 from flaxformer_lite.training.state import TrainState
-from flaxformer_lite.training.workdir import CHECKPOINT_DIR, check_writable, state_nbytes
+from flaxformer_lite.training.workdir import (
+    CHECKPOINT_DIR,
+    WorkdirError,
+    check_writable,
+    state_nbytes,
+)
 
 # A failed orbax read or write leaves its unfinished coroutines to the garbage collector.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -144,7 +148,7 @@ def test_resume_falls_back_past_a_bad_latest_step(workdir, fault):
     assert f"moved it to {moved} and falling back to step 1" in messages[0]
     assert "\n" not in messages[0]
     assert os.path.isdir(moved) and os.listdir(moved)
-    assert checkpoints.list_steps(workdir) == [1] == ckpt.all_steps()
+    assert checkpoint_format.list_steps(workdir) == [1] == ckpt.all_steps()
     # The run goes on: step 2 is saved again and reads back as saved.
     assert ckpt.save(2, STATES[2], {})
     assert_bitwise_equal(ckpt.restore(abstract(STATES[2]), 2)[0], STATES[2])
@@ -187,7 +191,7 @@ def test_another_train_state_is_refused_not_skipped(workdir):
 
 
 def test_newer_format_is_refused_not_skipped(workdir):
-    edit_meta(workdir, 2, lambda m: m | {"format_version": checkpoints.FORMAT_VERSION + 1})
+    edit_meta(workdir, 2, lambda m: m | {"format_version": checkpoint_format.FORMAT_VERSION + 1})
     ckpt = Checkpointer(workdir, keep=5, save_every=1)
     want = "checkpoint 2 in .* has format version 2, newer than this library's \\(1\\)"
     with pytest.raises(CheckpointFormatError, match=want):
@@ -228,7 +232,7 @@ def test_a_write_corrupted_before_verification_is_removed(workdir, asynchronous)
     assert "the previous checkpoint (step 2) is kept" in text and "\n" not in text
     # keep=1 would have deleted steps 1 and 2 after a good save: both are still there.
     assert not os.path.exists(step_dir(workdir, 3))
-    assert checkpoints.list_steps(workdir) == [1, 2] == ckpt.all_steps()
+    assert checkpoint_format.list_steps(workdir) == [1, 2] == ckpt.all_steps()
     assert_bitwise_equal(ckpt.restore(abstract(STATES[2]), 2)[0], STATES[2])
     corrupt.clear()
     assert save_verified(ckpt, 3, make_state(3), {})
@@ -252,7 +256,7 @@ def test_an_asynchronous_save_is_trusted_only_once_verified(workdir):
     ckpt = Checkpointer(workdir, keep=1, save_every=1, asynchronous=True, after_write=after_write)
     assert ckpt.save(3, make_state(3), {})  # returns while the save waits
     ckpt.check()  # in flight: neither blocks nor raises
-    assert {1, 2} <= set(checkpoints.list_steps(workdir))  # nothing deleted yet
+    assert {1, 2} <= set(checkpoint_format.list_steps(workdir))  # nothing deleted yet
     release.set()
     assert ckpt.all_steps() == [3]  # waits for the verification, then retention ran
     assert ckpt.save(4, make_state(4), {})
@@ -260,11 +264,11 @@ def test_an_asynchronous_save_is_trusted_only_once_verified(workdir):
         while True:
             ckpt.check()  # raises once the background save failed
     ckpt.check()  # reported once
-    assert checkpoints.list_steps(workdir) == [3]
+    assert checkpoint_format.list_steps(workdir) == [3]
     assert_bitwise_equal(ckpt.restore(abstract(make_state(3)))[0], make_state(3))
     assert ckpt.save(5, make_state(5), {})
     ckpt.close()  # waits for it
-    assert checkpoints.list_steps(workdir) == [5]
+    assert checkpoint_format.list_steps(workdir) == [5]
 
 
 def test_a_failed_save_at_close_is_raised_or_logged(workdir):
@@ -284,7 +288,7 @@ def test_a_failed_save_at_close_is_raised_or_logged(workdir):
         else:
             with pytest.raises(CheckpointWriteError, match="non-finite"):
                 ckpt.close()
-    assert checkpoints.list_steps(workdir) == [1, 2]
+    assert checkpoint_format.list_steps(workdir) == [1, 2]
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -302,7 +306,7 @@ def test_non_finite_state_is_refused(workdir, asynchronous):
     nan = make_state(4).replace(opt_state={"mu": {"k": kernel.at[0, 0].set(jnp.nan)}})
     with pytest.raises(CheckpointWriteError, match=r"first: .opt_state\['mu'\]\['k'\]"):
         save_verified(ckpt, 4, nan, {})
-    assert checkpoints.list_steps(workdir) == [1, 2]
+    assert checkpoint_format.list_steps(workdir) == [1, 2]
     assert sorted(os.listdir(ckpt.directory)) == ["1", "2"]
     ckpt.close()
 
@@ -363,7 +367,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
         assert "\n" not in text
         # Nothing of step 2 is left for a resume to pick; step 1 restores as saved.
         assert os.listdir(ckpt.directory) == ["1"]
-        assert checkpoints.list_steps(workdir) == [1] == ckpt.all_steps()
+        assert checkpoint_format.list_steps(workdir) == [1] == ckpt.all_steps()
         reopened = Checkpointer(workdir, keep=1, save_every=1)
         assert reopened.latest_step() == 1
         state, _, step = reopened.restore_latest_good(abstract(STATES[1]))

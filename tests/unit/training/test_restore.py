@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.training import checkpoints, load_state, loop, restore
+from flaxformer_lite.training import checkpoint_format, load_state, loop, restore
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, load_run_config
 
 
@@ -77,10 +77,10 @@ def test_a_flipped_params_byte_raises(workdir, tmp_path):
         return state
 
     rewrite_state(copy, 20, flip)
-    with pytest.raises(checkpoints.CheckpointIntegrityError, match="out_kernel"):
+    with pytest.raises(checkpoint_format.CheckpointIntegrityError, match="out_kernel"):
         restore.restore_params(copy)
     restore.restore_params(copy, 10)  # the other checkpoint is intact
-    with pytest.raises(checkpoints.CheckpointIntegrityError):
+    with pytest.raises(checkpoint_format.CheckpointIntegrityError):
         restore.restore_params(copy, average=2)
 
 

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from flaxformer_lite.translate import line_io, reports, runner
+from flaxformer_lite.translate import bucketing, line_io, reports
 
 
 @pytest.mark.parametrize(
@@ -53,10 +53,10 @@ def test_clean_and_format_line():
 
 
 def test_warnings_and_summary():
-    sources = runner.Sources(ids=[[5, 1], []], num_empty=1, num_truncated=2, num_unknown=1)
+    sources = bucketing.Sources(ids=[[5, 1], []], num_empty=1, num_truncated=2, num_unknown=1)
     warnings = reports.input_warnings(3, sources, 10)
     assert [w.split(" line(s)")[0] for w in warnings] == ["warning: 3", "warning: 2", "warning: 1"]
-    assert reports.input_warnings(0, runner.Sources(ids=[]), 10) == []
+    assert reports.input_warnings(0, bucketing.Sources(ids=[]), 10) == []
     result = types.SimpleNamespace(
         hypotheses=[[("a", -1.0)], []],
         sources=sources,

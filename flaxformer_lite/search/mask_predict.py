@@ -16,7 +16,7 @@ must know the output length first, and it can then refine its own output:
   best_candidate     picks, per example, the candidate with the highest mean
                      token log-probability and orders all of them best first.
 
-Like `search/autoregressive.py`, nothing here knows the model: the decoder is
+Like `search/sampling.py` and `search/beam.py`, nothing here knows the model: the decoder is
 `logits_fn(tokens int32[R, W], valid bool[R, W]) -> float32[R, W, V]`, where
 masked positions hold `mask_id` (letters: B examples, l candidates per
 example, R = B * l rows, W decoder positions, V vocabulary, C length classes).
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.search.autoregressive import rows_top_k
+from flaxformer_lite.search.primitives import rows_top_k
 
 LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]
 
