@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flaxformer_lite.config.run import RunConfig
-from flaxformer_lite.data import common
+from flaxformer_lite.data import examples
 from flaxformer_lite.translate import distillation, line_io, reports, runner
 from flaxformer_lite.translate.distillation import Log, log_stderr
 
@@ -82,8 +82,8 @@ def run(
     start = time.perf_counter()
     t = _restore_teacher(o, log, on_inputs_checked)
     data = t.run_config.data
-    sources = common.texts(t.splits["train"], common.SOURCE_FIELD)
-    gold = common.texts(t.splits["train"], common.TARGET_FIELD)
+    sources = examples.texts(t.splits["train"], examples.SOURCE_FIELD)
+    gold = examples.texts(t.splits["train"], examples.TARGET_FIELD)
     if not sources:
         raise line_io.InputError(f"the training split of {o.workdir} is empty: nothing to distill")
     distilled = distillation.distill_targets(

@@ -1,6 +1,6 @@
 """Data for flaxformer_lite: the tasks and corpora, the tokenizer and the batching plans.
 
-* :mod:`flaxformer_lite.data.common`: example fields, text decoding, the seeded split.
+* :mod:`flaxformer_lite.data.examples`: example fields, text decoding, the seeded split.
 * :mod:`flaxformer_lite.data.numbers`: generates the task and stores it as a TFDS dataset.
 * :mod:`flaxformer_lite.data.translation`: local corpora and TFDS catalog datasets.
 * :mod:`flaxformer_lite.data.tokenizer`: SentencePiece tokenizer with fixed reserved ids.

@@ -32,7 +32,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from flaxformer_lite.data.common import SOURCE_FIELD, SPLITS, TARGET_FIELD, as_str
+from flaxformer_lite.data.examples import SOURCE_FIELD, SPLITS, TARGET_FIELD, as_str
 
 # (source, reply) template pairs; "{}" is the span.
 NAME_TEMPLATES: tuple[tuple[str, str], ...] = (

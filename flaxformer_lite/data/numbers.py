@@ -47,7 +47,7 @@ import tensorflow_datasets as tfds
 from num2words import CONVERTER_CLASSES, num2words
 
 from flaxformer_lite.data._tfds import Log, PairsBuilder, prepare
-from flaxformer_lite.data.common import SPLITS, check_fractions, seeded_split
+from flaxformer_lite.data.examples import SPLITS, check_fractions, seeded_split
 
 
 def supported_languages() -> list[str]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flaxformer_lite.data.batching import FixedBatches, tokenize_split
-from flaxformer_lite.data.common import SOURCE_FIELD, TARGET_FIELD, texts
+from flaxformer_lite.data.examples import SOURCE_FIELD, TARGET_FIELD, texts
 from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies
 
 __all__ = ["SOURCE_FIELD", "TARGET_FIELD", "count_truncated", "make_dataset", "texts"]

@@ -37,7 +37,7 @@ from num2words import num2words
 from flaxformer_lite.data import speech_synthesis
 from flaxformer_lite.data._tfds import Log, prepare
 from flaxformer_lite.data.audio_features import speech_features
-from flaxformer_lite.data.common import SPLITS, check_fractions, seeded_split
+from flaxformer_lite.data.examples import SPLITS, check_fractions, seeded_split
 from flaxformer_lite.data.numbers import _check_languages, _numbers_to_split
 
 VARIANTS = ("m1", "m3", "m5", "m7", "f2", "f4", "f5")  # espeak-ng voice variants

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flaxformer_lite.data.common import (
+from flaxformer_lite.data.examples import (
     FEATURES_FIELD,
     SOURCE_FIELD,
     TARGET_FIELD,

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from flaxformer_lite.data._tfds import SKIPPED_KEY, Log, prepare
-from flaxformer_lite.data.common import SPLITS, check_fractions, seeded_split
+from flaxformer_lite.data.examples import SPLITS, check_fractions, seeded_split
 from flaxformer_lite.data.translation import (
     CorpusError,
     LocalPairsBuilder,

@@ -24,7 +24,7 @@ from flaxformer_lite.models import predict
 from flaxformer_lite.models.base import Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
 from flaxformer_lite.models.copy_transformer import CopyTransformer
-from flaxformer_lite.models.packing import Packing
+from flaxformer_lite.models.packed_rows import Packing
 from flaxformer_lite.models.transformer import Transformer, token_validity
 from flaxformer_lite.nn.subsampling import subsampled_validity
 from flaxformer_lite.objectives import copy_loss, cross_entropy

@@ -29,7 +29,7 @@ from flaxformer_lite.config.variants import CopyHead
 from flaxformer_lite.constants import UNK_ID
 from flaxformer_lite.models import pointer_generator as pg
 from flaxformer_lite.models.capture import captured_attention
-from flaxformer_lite.models.packing import Packing
+from flaxformer_lite.models.packed_rows import Packing
 from flaxformer_lite.models.transformer import (
     decoder_masks,
     encoder_and_decoder,

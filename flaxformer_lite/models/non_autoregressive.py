@@ -38,7 +38,7 @@ from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models.base import Batch, Params, Seq2SeqModel
 from flaxformer_lite.models.capture import captured_attention
 from flaxformer_lite.models.nat_transformer import NATransformer
-from flaxformer_lite.models.packing import Packing
+from flaxformer_lite.models.packed_rows import Packing
 from flaxformer_lite.models.transformer import token_validity
 from flaxformer_lite.objectives import cross_entropy
 from flaxformer_lite.objectives import nat_loss as objective

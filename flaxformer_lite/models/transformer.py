@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.models.capture import parse_capture
-from flaxformer_lite.models.packing import Packing
+from flaxformer_lite.models.packed_rows import Packing
 from flaxformer_lite.models.stacks import Decoder, Encoder
 from flaxformer_lite.nn import masks
 from flaxformer_lite.nn.embeddings import Embed

@@ -22,7 +22,7 @@ from flaxformer_lite.config import sections
 from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.common import texts
+from flaxformer_lite.data.examples import texts
 from flaxformer_lite.evaluation import exposure_probe
 from flaxformer_lite.models.base import Seq2SeqModel
 from flaxformer_lite.models.from_config import build_model, search_from_config

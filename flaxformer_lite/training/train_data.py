@@ -22,7 +22,7 @@ from flaxformer_lite.config import ConfigError
 from flaxformer_lite.config.sections import DataConfig, TrainConfig
 from flaxformer_lite.data import batching
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.common import texts
+from flaxformer_lite.data.examples import texts
 
 
 def prefetch(make: Callable[[int], dict], start: int, stop: int, size: int = 2) -> Iterator:

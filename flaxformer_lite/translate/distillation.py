@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from flaxformer_lite.atomic_files import atomic_write
 from flaxformer_lite.config.run import RunConfig
-from flaxformer_lite.data import common
+from flaxformer_lite.data import examples
 from flaxformer_lite.translate import line_io, reports, runner
 
 MANIFEST = "distill.json"
@@ -270,8 +270,8 @@ def _held_out_files(splits, langs: tuple[str, str], log: Log):
                 log("warning: the run has no validation examples; train.py needs a val split")
             continue
         name = SPLIT_FILES[split]
-        corpus[f"{name}.{src}"] = common.texts(splits[split], common.SOURCE_FIELD)
-        corpus[f"{name}.{tgt}"] = common.texts(splits[split], common.TARGET_FIELD)
+        corpus[f"{name}.{src}"] = examples.texts(splits[split], examples.SOURCE_FIELD)
+        corpus[f"{name}.{tgt}"] = examples.texts(splits[split], examples.TARGET_FIELD)
         split_lines[name] = len(corpus[f"{name}.{src}"])
     return corpus, split_lines
 

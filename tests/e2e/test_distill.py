@@ -23,7 +23,7 @@ from flaxformer_lite.cli import distill
 from flaxformer_lite.config import run as run_config_lib
 from flaxformer_lite.config import sections
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.data import common
+from flaxformer_lite.data import examples
 from flaxformer_lite.models import from_config
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
 from flaxformer_lite.translate import distillation, line_io, runner
@@ -96,7 +96,7 @@ def loaded(workdir):
 
 def test_one_target_per_training_example_in_order(distilled, splits):
     out, manifest, messages, _ = distilled
-    sources = common.texts(splits["train"], "source")
+    sources = examples.texts(splits["train"], "source")
     names = [f"{split}.{lang}" for split in ("train", "val", "test") for lang in ("src", "tgt")]
     assert sorted(os.listdir(out)) == sorted(["distill.json", *names])
     assert read(out / "train.src") == sources
@@ -112,7 +112,7 @@ def test_one_target_per_training_example_in_order(distilled, splits):
 def test_each_distinct_source_is_decoded_once(distilled, splits, loaded):
     _, manifest, _, calls = distilled
     _, _, tokenizer, run_config = loaded
-    sources = common.texts(splits["train"], "source")
+    sources = examples.texts(splits["train"], "source")
     distinct = list(dict.fromkeys(sources))
     assert len(distinct) < len(sources)  # the shape balance repeats pairs
     assert manifest["num_distinct_sources"] == len(distinct)
@@ -125,14 +125,14 @@ def test_targets_equal_decoding_every_training_source(distilled, splits, loaded)
     # every training line in batches of 7, as decode.py would decode the file train.src.
     out, manifest, _, _ = distilled
     model, params, tokenizer, run_config = loaded
-    sources = common.texts(splits["train"], "source")
+    sources = examples.texts(splits["train"], "source")
     search = runner.make_search(run_config, **BEAM)
     result = runner.decode_lines(
         model, params, tokenizer, run_config, sources, search=search, batch_size=7
     )
     targets = [line_io.format_line(h) for h in result.hypotheses]
     assert read(out / "train.tgt") == targets
-    gold = common.texts(splits["train"], "target")
+    gold = examples.texts(splits["train"], "target")
     changed = sum(t != g for t, g in zip(targets, gold))
     assert manifest["num_changed_targets"] == changed
     assert manifest["changed_fraction"] == pytest.approx(changed / len(sources))
@@ -142,8 +142,8 @@ def test_targets_equal_decoding_every_training_source(distilled, splits, loaded)
 def test_validation_and_test_keep_their_gold_targets(distilled, splits):
     out = distilled[0]
     for split, name in (("validation", "val"), ("test", "test")):
-        assert read(out / f"{name}.src") == common.texts(splits[split], "source")
-        assert read(out / f"{name}.tgt") == common.texts(splits[split], "target")
+        assert read(out / f"{name}.src") == examples.texts(splits[split], "source")
+        assert read(out / f"{name}.tgt") == examples.texts(splits[split], "target")
 
 
 def test_blank_sources_stay_blank_and_repeats_share_one_decode(loaded):
@@ -263,8 +263,8 @@ def test_the_printed_flags_load_the_corpus(distilled, tfds_dir):
         config.data[name] = value
     splits = datasets.load_splits(run_config_lib.parse(config).data)
     pairs = [p for p in zip(read(out / "train.src"), read(out / "train.tgt")) if all(p)]
-    assert common.texts(splits["train"], "target") == [t for _, t in pairs]
-    assert common.texts(splits["test"], "target") == read(out / "test.tgt")
+    assert examples.texts(splits["train"], "target") == [t for _, t in pairs]
+    assert examples.texts(splits["test"], "target") == read(out / "test.tgt")
 
 
 @pytest.mark.slow
@@ -282,8 +282,8 @@ def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
     assert (data.dataset, data.corpus_dir) == ("parallel_text", str(out))
     splits = data_splits(student)
     pairs = [p for p in zip(read(out / "train.src"), read(out / "train.tgt")) if all(p)]
-    assert common.texts(splits["train"], "target") == [t for _, t in pairs]
-    assert common.texts(splits["test"], "target") == read(out / "test.tgt")
+    assert examples.texts(splits["train"], "target") == [t for _, t in pairs]
+    assert examples.texts(splits["test"], "target") == read(out / "test.tgt")
 
     # The student is a parallel_text run: distill it through the command line.
     again = tmp_path / "again"

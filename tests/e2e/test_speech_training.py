@@ -9,7 +9,7 @@ import pytest
 from configs import spoken_numbers
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.data import speech_synthesis
-from flaxformer_lite.data.common import texts
+from flaxformer_lite.data.examples import texts
 from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.models import from_config
 from flaxformer_lite.training import loop

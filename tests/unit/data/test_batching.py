@@ -259,7 +259,7 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
     from flaxformer_lite.config import TransformerConfig
     from flaxformer_lite.data.tokenizer import BOS_ID
     from flaxformer_lite.models.autoregressive import shift_right
-    from flaxformer_lite.models.packing import Packing
+    from flaxformer_lite.models.packed_rows import Packing
     from flaxformer_lite.models.transformer import Transformer
 
     jax.config.update("jax_default_matmul_precision", "highest")

@@ -441,7 +441,7 @@ def test_pipeline_reads_tfds_bytes(tmp_path, small_tokenizer):
 
 
 def test_read_all_reads_in_chunks_and_keeps_the_order():
-    from flaxformer_lite.data.common import read_all
+    from flaxformer_lite.data.examples import read_all
 
     class Batched(list):
         calls: list = []

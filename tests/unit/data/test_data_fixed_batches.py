@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.data import batching, numbers, pipeline
-from flaxformer_lite.data.common import as_str
+from flaxformer_lite.data.examples import as_str
 from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
 
 

@@ -17,7 +17,7 @@ from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.config.model import REMAT_POLICIES
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.autoregressive import AutoregressiveModel, shift_right
-from flaxformer_lite.models.packing import Packing
+from flaxformer_lite.models.packed_rows import Packing
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.nn.embeddings import Embed, sinusoidal_positions
 from flaxformer_lite.nn.layers import Dense, project

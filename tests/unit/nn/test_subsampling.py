@@ -9,7 +9,7 @@ from flaxformer_lite.config import ConfigError, TransformerConfig
 from flaxformer_lite.models import predict
 from flaxformer_lite.models.autoregressive import AutoregressiveModel
 from flaxformer_lite.models.non_autoregressive import NonAutoregressiveModel
-from flaxformer_lite.models.packing import Packing
+from flaxformer_lite.models.packed_rows import Packing
 from flaxformer_lite.models.transformer import Transformer
 from flaxformer_lite.nn.subsampling import (
     Conv1dSubsampler,
