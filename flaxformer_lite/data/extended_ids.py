@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, with_eos
+from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from flaxformer_lite.data.tokenizer import Tokenizer, with_eos
 
 UNK_SURFACE = " \u2047 "  # how SentencePiece renders an UNK_ID it decodes
 WORD_BOUNDARY = "\u2581"  # SentencePiece's space

@@ -10,9 +10,9 @@ import itertools
 
 import numpy as np
 
+from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.data.plan import Batch, _Plan
 from flaxformer_lite.data.tokenized import Tokenized
-from flaxformer_lite.data.tokenizer import PAD_ID
 
 
 def _pack(

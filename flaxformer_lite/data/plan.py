@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.data.tokenized import Tokenized
-from flaxformer_lite.data.tokenizer import PAD_ID
 
 Batch = dict[str, np.ndarray]
 

@@ -28,7 +28,7 @@ import numpy as np
 import sentencepiece as spm
 
 from flaxformer_lite.atomic_files import atomic_write
-from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
+from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from flaxformer_lite.data import spm_training
 
 

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
-from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer
+from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.translate.line_io import InputError
 
 

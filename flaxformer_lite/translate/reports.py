@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from flaxformer_lite.bleu import corpus_scores
+from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
-from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
+from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies
 from flaxformer_lite.translate.line_io import InputError
 
 

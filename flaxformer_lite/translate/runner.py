@@ -20,9 +20,10 @@ import jax
 import numpy as np
 
 from flaxformer_lite.config.run import RunConfig
+from flaxformer_lite.constants import EOS_ID, PAD_ID, UNK_ID
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
-from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer, Vocabularies, with_eos
+from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies, with_eos
 from flaxformer_lite.models import predict
 from flaxformer_lite.training import checkpoint_format
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, load_run_config

@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from flaxformer_lite.config.run import parse
+from flaxformer_lite.constants import EOS_ID
 from flaxformer_lite.translate import bucketing, line_io, reports, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -135,7 +136,7 @@ def test_mixed_input_gives_one_result_per_line(loaded, tmp_path):
     assert result.sources.num_empty == 2 and result.sources.num_truncated == 1
     assert result.sources.num_unknown >= 1  # U+FFFD is not in the vocabulary
     assert len(result.sources.ids[3]) == run_config.data.max_source_len
-    assert result.sources.ids[3][-1] == runner.EOS_ID
+    assert result.sources.ids[3][-1] == EOS_ID
     with pytest.raises(line_io.InputError, match=r"\(line 4\)"):
         runner.decode_lines(
             model, params, tokenizer, run_config, lines, search=greedy(run_config), strict=True

@@ -95,7 +95,7 @@ def test_score_is_beam_search_logprob_without_length_penalty(workdir, tmp_path):
     kept = [
         i
         for i, ids in enumerate(decoded.output_ids)
-        if ids and ids[-1] == runner.EOS_ID and vocab.target.encode(decoded.texts[i]) == ids[:-1]
+        if ids and ids[-1] == EOS_ID and vocab.target.encode(decoded.texts[i]) == ids[:-1]
     ]
     assert len(kept) >= len(sources) // 2
     src = write(tmp_path / "src", [sources[i] for i in kept])

@@ -8,8 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
+from flaxformer_lite.constants import EOS_ID, PAD_ID
 from flaxformer_lite.data import batching
-from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, with_eos
+from flaxformer_lite.data.tokenizer import with_eos
 
 NUM_EXAMPLES = 300
 MAX_LEN = 48  # longer than any synthetic sentence (40 ids + EOS): nothing is truncated
@@ -257,7 +258,7 @@ def test_packed_batch_runs_the_model_like_separate_rows(tokenized):
     from flax import linen as nn
 
     from flaxformer_lite.config import TransformerConfig
-    from flaxformer_lite.data.tokenizer import BOS_ID
+    from flaxformer_lite.constants import BOS_ID
     from flaxformer_lite.models.autoregressive import shift_right
     from flaxformer_lite.models.packed_rows import Packing
     from flaxformer_lite.models.transformer import Transformer

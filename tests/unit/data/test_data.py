@@ -9,8 +9,9 @@ import pickle
 import numpy as np
 import pytest
 
+from flaxformer_lite.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from flaxformer_lite.data import numbers, pipeline
-from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from flaxformer_lite.data.tokenizer import Tokenizer
 
 LANGS = ("en", "de", "fr")
 MAX_NUMBER = 999

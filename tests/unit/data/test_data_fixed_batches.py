@@ -13,9 +13,10 @@ import grain
 import numpy as np
 import pytest
 
+from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.data import batching, numbers, pipeline
 from flaxformer_lite.data.examples import as_str
-from flaxformer_lite.data.tokenizer import PAD_ID, Tokenizer, Vocabularies
+from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies
 
 
 def _tokenize_example(example, *, tokenizer, max_source_len, max_target_len):

@@ -10,8 +10,9 @@ from configs import names as names_config
 from flaxformer_lite import datasets
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.config import run as run_config
+from flaxformer_lite.constants import UNK_ID
 from flaxformer_lite.data import batching, names
-from flaxformer_lite.data.tokenizer import UNK_ID, Tokenizer
+from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.evaluation.copy_spans import copy_scores, verbatim_copies, words
 
 SIZES = dict(num_train=3000, num_valid=200, num_test=300)
