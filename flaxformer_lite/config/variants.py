@@ -165,11 +165,15 @@ def check_guided_attention(guided, model, sampling, nat, copy) -> None:
         )
 
 
+def _optional_section(config: ml_collections.ConfigDict | Mapping, name: str, cls):
+    """Section `name` of a run config built as `cls`; None when the config has none."""
+    values = config.get(name, None)
+    return None if values is None else section(cls, name, values)
+
+
 def copy_of(config: ml_collections.ConfigDict | Mapping) -> CopyHead | None:
     """The `copy` section of a run config (or of a workdir's saved one); None: no copy head."""
-    if config.get("copy", None) is None:
-        return None
-    return section(CopyHead, "copy", config["copy"])
+    return _optional_section(config, "copy", CopyHead)
 
 
 def check_copy(copy, model, data, sampling, nat) -> None:
@@ -213,9 +217,7 @@ def check_copy(copy, model, data, sampling, nat) -> None:
 
 def nat_of(config: ml_collections.ConfigDict | Mapping) -> NATConfig | None:
     """The `nat` section of a run config (None: it trains the autoregressive model)."""
-    if config.get("nat", None) is None:
-        return None
-    return section(NATConfig, "nat", config["nat"])
+    return _optional_section(config, "nat", NATConfig)
 
 
 def check_nat(nat, model, data, train, sampling) -> None:
