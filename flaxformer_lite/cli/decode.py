@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.models import from_config
-from flaxformer_lite.translate import exposure, line_io, reports, runner
+from flaxformer_lite.translate import exposure, input_lines, line_io, reports, runner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     search = None
     non_autoregressive = run_config.nat is not None
     _check_model_kind(o, non_autoregressive)
-    if runner.is_speech(run_config):
+    if input_lines.is_speech(run_config):
         _check_speech_options(o)
     if not o.score and non_autoregressive:
         search = runner.make_nat_search(
@@ -155,10 +155,10 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         return
     max_source_len = run_config.data.max_source_len
     copy_head = run_config.copy is not None  # extended ids, as in training
-    if runner.is_speech(run_config):
-        sources = runner.features_of_lines(lines, run_config, max_source_len)
+    if input_lines.is_speech(run_config):
+        sources = input_lines.features_of_lines(lines, run_config, max_source_len)
     else:
-        sources = runner.tokenize_lines(
+        sources = input_lines.tokenize_lines(
             tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
         )
     for warning in reports.input_warnings(num_invalid, sources, max_source_len):
@@ -194,7 +194,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
     log(reports.summary(result))
     if references is not None:
         log(reports.bleu_report(result.texts, references))
-        if runner.is_speech(run_config):
+        if input_lines.is_speech(run_config):
             log(reports.speech_report(result.texts, references))
         log(reports.multimodality_line(result, references, Vocabularies.of(tokenizer).target))
     if o.attention_png and o.attention_count:
