@@ -15,7 +15,8 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -272,8 +273,6 @@ def decode_lines(
     Raises:
       InputError: `strict` and a line longer than the model's source length.
     """
-
-    target_vocab = Vocabularies.of(tokenizer).target
     max_source_len = run_config.data.max_source_len
     sources = lines
     if not isinstance(lines, Sources):
@@ -285,23 +284,44 @@ def decode_lines(
     live, rows = sum(1 for n in lengths if n), batch_rows(lengths, batch_size)
     batches = plan_batches(lengths, rows, bucket_lengths(max_source_len))
     result = DecodeResult([[] for _ in lengths], [[] for _ in lengths], sources, set())
+    detokenize = sources.detokenizer(Vocabularies.of(tokenizer).target)
+    collect = _Collector(result, detokenize, nbest, progress_bar(live, "decode", progress))
+    _decode_batches(model, params, sources, batches, rows, search, seed, collect)
+    collect.bar.close()
+    result.seconds = time.perf_counter() - collect.start
+    return result
+
+
+@dataclasses.dataclass
+class _Collector:
+    """Stores decoded batches into a `DecodeResult`, advancing a progress bar with tokens/s."""
+
+    result: DecodeResult
+    detokenize: Callable  # (ids, line index) -> text, as `Sources.detokenizer`
+    nbest: int
+    bar: Any  # tqdm
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def __call__(self, indices, tokens, scores) -> None:
+        """Stores one batch: tokens int32[rows, n, max_len], scores float32[rows, n]."""
+        self.result.collect(indices, tokens, scores, self.detokenize, self.nbest)
+        self.bar.update(len(indices))
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.result.num_output_tokens / elapsed:.0f} tok/s")
+
+
+def _decode_batches(model, params, sources: Sources, batches, rows: int, search, seed, collect):
+    """Runs `predict_batch` on each planned (line indices, length) batch of `sources`, padded
+    to [rows, length], and hands each output to `collect` while the next batch runs.
+
+    Sampling draws with `fold_in(PRNGKey(seed), batch number)`.
+    """
     base_rng = jax.random.PRNGKey(seed)
-    bar = progress_bar(live, "decode", progress)
-    start = time.perf_counter()
-
-    detokenize = sources.detokenizer(target_vocab)
-
-    def collect(indices, tokens, scores):
-        result.collect(indices, tokens, scores, detokenize, nbest)
-        bar.update(len(indices))
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix_str(f"{result.num_output_tokens / elapsed:.0f} tok/s")
-
     pending = None
     for b, (indices, length) in enumerate(batches):
         inputs = pad_rows(sources.ids, indices, rows, length)
         inputs, valid = inputs if isinstance(inputs, tuple) else (inputs, None)
-        result.batch_shapes.add(inputs.shape[:2])
+        collect.result.batch_shapes.add(inputs.shape[:2])
         rng = jax.random.fold_in(base_rng, b) if search.method == "sample" else None
         out = predict_batch(model, params, inputs, search, rng, valid)
         # Dispatch is asynchronous: detokenize the previous batch while this one runs.
@@ -310,6 +330,3 @@ def decode_lines(
         pending = (indices, *out)
     if pending is not None:
         collect(*pending)
-    bar.close()
-    result.seconds = time.perf_counter() - start
-    return result
