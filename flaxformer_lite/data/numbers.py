@@ -132,7 +132,7 @@ def generate_pairs(
     """Generates the (source, target) string pairs of every split.
 
     The items ``(lang, number)`` with ``number >= always_train_below`` are ordered
-    language-major, then assigned to splits by :func:`~.common.seeded_split`; each split keeps
+    language-major, then assigned to splits by :func:`~.examples.seeded_split`; each split keeps
     the permutation order. The numbers below ``always_train_below`` follow in "train"
     (language-major). With ``shape_balance`` > 0 each training pair is repeated, its copies
     side by side, as :func:`shape_repeats` says. The result depends only on the arguments.
