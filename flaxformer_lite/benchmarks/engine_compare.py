@@ -94,13 +94,7 @@ def compare_decode_benchmark(
     EOS itself). Returns {"rows": [{"batch", "search", "<engine>_s",
     "<engine>_tokens_per_s", "ct2_fp32_over_ours", "ct2_int8_over_ours"}], ...}.
     """
-    import flax.linen as nn
-
-    from flaxformer_lite.models.autoregressive import AutoregressiveModel
-
-    model = AutoregressiveModel(config)
-    shapes = {"inputs": (1, source_len), "targets": (1, 8)}
-    params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
+    model, params = _random_model(config, source_len)
     pieces = synthetic_pieces(config.vocab_size)
     rng = np.random.default_rng(0)
     ids = rng.integers(4, config.vocab_size, (max(batch_sizes), source_len - 1))
@@ -115,31 +109,64 @@ def compare_decode_benchmark(
             )
             fn = jax.jit(lambda p, x, cfg=cfg: model.predict(p, {"inputs": x}, cfg))
             for batch in batch_sizes:
-                inputs = np.concatenate([ids[:batch], np.full((batch, 1), EOS_ID)], 1)
-                inputs = jax.numpy.asarray(inputs, jax.numpy.int32)
-                tokens = [[pieces[i] for i in row] for row in ids[:batch].tolist()]
-                runs = {"ours_fp32": lambda x=inputs, fn=fn: fn(params, x)}
-                for name, translator in engines.items():
-                    runs[name] = lambda t=translator, s=tokens, k=k: t.translate_batch(
-                        s,
-                        beam_size=k,
-                        min_decoding_length=new_tokens,
-                        max_decoding_length=new_tokens,
-                        length_penalty=0.0,
-                    )
-                lengths = {len(r.hypotheses[0]) for r in runs["ct2_fp32"]()}
-                if lengths != {new_tokens}:
-                    raise RuntimeError(f"CTranslate2 produced lengths {lengths}")
-                seconds = _median_rounds(runs, repeats)
+                runs = _engine_runs(fn, params, engines, ids[:batch], pieces, k, new_tokens)
                 row = {"batch": batch, "search": search}
-                for name, s in seconds.items():
-                    row[f"{name}_s"] = s
-                    row[f"{name}_tokens_per_s"] = batch * new_tokens / s
-                for name in ENGINES[1:]:
-                    row[f"{name}_over_ours"] = seconds["ours_fp32"] / seconds[name]
+                row.update(_speeds(_median_rounds(runs, repeats), batch * new_tokens))
                 rows.append(row)
                 log(_row_line(row))
     return {"rows": rows, "threads": threads or os.cpu_count(), "repeats": repeats}
+
+
+def _random_model(config, source_len: int):
+    """(AutoregressiveModel of `config`, its parameters initialised with PRNGKey(0))."""
+    import flax.linen as nn
+
+    from flaxformer_lite.models.autoregressive import AutoregressiveModel
+
+    model = AutoregressiveModel(config)
+    shapes = {"inputs": (1, source_len), "targets": (1, 8)}
+    params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
+    return model, params
+
+
+def _engine_runs(fn, params, engines: dict, ids: np.ndarray, pieces, k: int, new_tokens: int):
+    """{engine: call} decoding the same sources `ids` int[B, S - 1] (+ EOS) with beam `k`
+    (1: greedy), each made to run exactly `new_tokens` steps.
+
+    `fn(params, inputs int32[B, S])`: our jitted predict; `engines`: the CTranslate2
+    translators.
+
+    Raises:
+      RuntimeError: CTranslate2 did not decode exactly `new_tokens` tokens.
+    """
+    inputs = np.concatenate([ids, np.full((len(ids), 1), EOS_ID)], 1)
+    inputs = jax.numpy.asarray(inputs, jax.numpy.int32)
+    tokens = [[pieces[i] for i in row] for row in ids.tolist()]
+    runs = {"ours_fp32": lambda x=inputs: fn(params, x)}
+    for name, translator in engines.items():
+        runs[name] = lambda t=translator, s=tokens, k=k: t.translate_batch(
+            s,
+            beam_size=k,
+            min_decoding_length=new_tokens,
+            max_decoding_length=new_tokens,
+            length_penalty=0.0,
+        )
+    lengths = {len(r.hypotheses[0]) for r in runs["ct2_fp32"]()}
+    if lengths != {new_tokens}:
+        raise RuntimeError(f"CTranslate2 produced lengths {lengths}")
+    return runs
+
+
+def _speeds(seconds: dict[str, float], tokens: int) -> dict[str, float]:
+    """A result row's timing fields: each engine's seconds and tokens/s for `tokens` decoded
+    tokens, and CTranslate2's speed-ups over ours."""
+    row = {}
+    for name, s in seconds.items():
+        row[f"{name}_s"] = s
+        row[f"{name}_tokens_per_s"] = tokens / s
+    for name in ENGINES[1:]:
+        row[f"{name}_over_ours"] = seconds["ours_fp32"] / seconds[name]
+    return row
 
 
 HEADER = (

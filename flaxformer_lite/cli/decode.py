@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.models import from_config
-from flaxformer_lite.translate import exposure, line_io, reports, runner
+from flaxformer_lite.translate import exposure, input_lines, line_io, reports, runner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,48 +120,20 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
 
     _check_options(o)
     run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
-    search = None
-    non_autoregressive = run_config.nat is not None
-    _check_model_kind(o, non_autoregressive)
-    if runner.is_speech(run_config):
+    _check_model_kind(o, run_config.nat is not None)
+    if input_lines.is_speech(run_config):
         _check_speech_options(o)
-    if not o.score and non_autoregressive:
-        search = runner.make_nat_search(
-            run_config,
-            iterations=o.iterations,
-            length_beam=o.length_beam,
-            length_scale=1.0 if o.length_scale is None else o.length_scale,
-            max_len=o.max_len,
-            nbest=o.nbest,
-        )
-    elif not o.score:
-        search = runner.make_search(
-            run_config,
-            **{k: getattr(o, k) for k in ("beam_size", "alpha", "temperature", "top_k")},
-            **{k: getattr(o, k) for k in ("top_p", "max_len", "min_len", "nbest")},
-        )
+    search = None if o.score else _search(o, run_config)
     if o.attention_png:
         num_layers = run_config.model.num_decoder_layers
         reports.check_attention_layer(o.attention_layer, num_layers)
-    lines, num_invalid = line_io.read_lines(o.input)
-    references = None
-    if o.reference:
-        references, num_invalid_ref = line_io.read_lines(o.reference)
-        reports.check_line_counts(len(lines), len(references))
-        num_invalid += num_invalid_ref if o.score or o.report else 0
+    lines, references, num_invalid = _read_inputs(o)
     if not lines:
         line_io.write_lines(o.output, [])
         log("input is empty: nothing to decode")
         return
-    max_source_len = run_config.data.max_source_len
-    copy_head = run_config.copy is not None  # extended ids, as in training
-    if runner.is_speech(run_config):
-        sources = runner.features_of_lines(lines, run_config, max_source_len)
-    else:
-        sources = runner.tokenize_lines(
-            tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
-        )
-    for warning in reports.input_warnings(num_invalid, sources, max_source_len):
+    sources = _sources(o, run_config, tokenizer, lines)
+    for warning in reports.input_warnings(num_invalid, sources, run_config.data.max_source_len):
         log(warning)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
     on_inputs_checked()
@@ -170,6 +142,52 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         _score(o, model, params, tokenizer, run_config, sources, references)
     else:
         _decode(o, model, params, tokenizer, run_config, sources, search, references)
+
+
+def _search(o: Options, run_config):
+    """The search of the flags: Mask-Predict for a non-autoregressive workdir, else greedy,
+    beam or sampling (`runner.make_nat_search`, `runner.make_search`)."""
+    if run_config.nat is not None:
+        return runner.make_nat_search(
+            run_config,
+            iterations=o.iterations,
+            length_beam=o.length_beam,
+            length_scale=1.0 if o.length_scale is None else o.length_scale,
+            max_len=o.max_len,
+            nbest=o.nbest,
+        )
+    return runner.make_search(
+        run_config,
+        **{k: getattr(o, k) for k in ("beam_size", "alpha", "temperature", "top_k")},
+        **{k: getattr(o, k) for k in ("top_p", "max_len", "min_len", "nbest")},
+    )
+
+
+def _read_inputs(o: Options) -> tuple[list[str], list[str] | None, int]:
+    """(input lines, reference lines or None, the number of lines with bytes that are not
+    text, as `line_io.read_lines` counts them).
+
+    Such reference lines count only when the references are scored or reported on.
+    """
+    lines, num_invalid = line_io.read_lines(o.input)
+    references = None
+    if o.reference:
+        references, num_invalid_ref = line_io.read_lines(o.reference)
+        reports.check_line_counts(len(lines), len(references))
+        num_invalid += num_invalid_ref if o.score or o.report else 0
+    return lines, references, num_invalid
+
+
+def _sources(o: Options, run_config, tokenizer, lines: list[str]):
+    """The input lines as the model's sources: WAV features for a speech workdir, else ids
+    (with the copy head's extended ids, as in training)."""
+    max_source_len = run_config.data.max_source_len
+    copy_head = run_config.copy is not None  # extended ids, as in training
+    if input_lines.is_speech(run_config):
+        return input_lines.features_of_lines(lines, run_config, max_source_len)
+    return input_lines.tokenize_lines(
+        tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
+    )
 
 
 def _decode(o, model, params, tokenizer, run_config, sources, search, references) -> None:
@@ -194,7 +212,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
     log(reports.summary(result))
     if references is not None:
         log(reports.bleu_report(result.texts, references))
-        if runner.is_speech(run_config):
+        if input_lines.is_speech(run_config):
             log(reports.speech_report(result.texts, references))
         log(reports.multimodality_line(result, references, Vocabularies.of(tokenizer).target))
     if o.attention_png and o.attention_count:

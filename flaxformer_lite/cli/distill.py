@@ -81,7 +81,6 @@ def run(
     """
     start = time.perf_counter()
     t = _restore_teacher(o, log, on_inputs_checked)
-    data = t.run_config.data
     sources = examples.texts(t.splits["train"], examples.SOURCE_FIELD)
     gold = examples.texts(t.splits["train"], examples.TARGET_FIELD)
     if not sources:
@@ -97,7 +96,19 @@ def run(
         log=log,
     )
     log(reports.summary(distilled.result))
+    return _write_distilled(o, t, sources, gold, distilled, start, log)
 
+
+def _write_distilled(
+    o: Options, t: _Teacher, sources, gold, distilled, start: float, log: Log
+) -> dict:
+    """Writes the distilled corpus, its train flags and its manifest into `o.output_dir`.
+
+    `sources` and `gold` are the training split's lines, `distilled` what
+    `distillation.distill_targets` made of them, `start` the run's perf_counter at its
+    beginning. Returns the manifest.
+    """
+    data = t.run_config.data
     src, tgt = distillation.languages(data)
     corpus, split_lines = distillation.corpus_files(
         t.splits, sources, distilled.targets, (src, tgt), log

@@ -204,7 +204,6 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
       ExportError, WorkdirError, FileNotFoundError, StepSpecError, CheckpointIntegrityError:
         with a message that names the fix.
     """
-    from flaxformer_lite.export import to_ctranslate2, to_huggingface  # noqa: F401 (extras)
     from flaxformer_lite.training import restore
     from flaxformer_lite.translate import runner
 
@@ -224,12 +223,7 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        if o.to == "ctranslate2":
-            to_ctranslate2.save(layout, *pieces, staging, o.quantization, o.int8_weight_bits)
-            for path in dict.fromkeys(spm_files):  # the SentencePiece model(s), as trained
-                shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
-        else:  # the tokenizer it saves holds the SentencePiece models (source/target.spm)
-            to_huggingface.save(layout, spm_files, pieces, staging, rows)
+        _save_model(o, layout, spm_files, pieces, staging, rows)
         pairs, difference, manifest_extra = _check_parity(
             o, run_config, params, layout, pieces, staging, vocab, log
         )
@@ -244,12 +238,7 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
             "max_logprob_difference": difference,
             **manifest_extra,
         }
-        with open(os.path.join(staging, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
-        if os.path.isdir(o.out):
-            os.rmdir(o.out)  # empty, checked above
-        os.rename(staging, o.out)
+        _publish(staging, o.out, manifest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -258,3 +247,27 @@ def export(o: Options, *, log: Callable[[str], None] = log) -> dict:
         f"{len(pairs)} probe pairs: max |log p difference| = {difference:.2e}"
     )
     return manifest
+
+
+def _save_model(o: Options, layout, spm_files, pieces, staging: str, rows: int) -> None:
+    """Writes the `o.to` engine's model of `layout` into `staging`, with the SentencePiece
+    model(s) it tokenizes with; `rows`: the position table's."""
+    from flaxformer_lite.export import to_ctranslate2, to_huggingface
+
+    if o.to == "ctranslate2":
+        to_ctranslate2.save(layout, *pieces, staging, o.quantization, o.int8_weight_bits)
+        for path in dict.fromkeys(spm_files):  # the SentencePiece model(s), as trained
+            shutil.copy2(path, os.path.join(staging, os.path.basename(path)))
+    else:  # the tokenizer it saves holds the SentencePiece models (source/target.spm)
+        to_huggingface.save(layout, spm_files, pieces, staging, rows)
+
+
+def _publish(staging: str, out: str, manifest: dict) -> None:
+    """Writes the manifest into the checked model directory `staging` and renames it to `out`
+    (an empty directory there, checked by `_check_options`, is replaced)."""
+    with open(os.path.join(staging, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty, checked above
+    os.rename(staging, out)

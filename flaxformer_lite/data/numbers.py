@@ -132,7 +132,7 @@ def generate_pairs(
     """Generates the (source, target) string pairs of every split.
 
     The items ``(lang, number)`` with ``number >= always_train_below`` are ordered
-    language-major, then assigned to splits by :func:`~.common.seeded_split`; each split keeps
+    language-major, then assigned to splits by :func:`~.examples.seeded_split`; each split keeps
     the permutation order. The numbers below ``always_train_below`` follow in "train"
     (language-major). With ``shape_balance`` > 0 each training pair is repeated, its copies
     side by side, as :func:`shape_repeats` says. The result depends only on the arguments.
@@ -160,6 +160,24 @@ def generate_pairs(
 
     low = min(always_train_below, max_number + 1)
     drawn = _numbers_to_split(len(languages), low, max_number, num_numbers, seed)
+    chosen = _assign_splits(languages, drawn, seed, valid_fraction, test_fraction)
+    chosen["train"] += [(lang, number) for lang in languages for number in range(low)]
+    return _spell_out(chosen, languages, shape_balance)
+
+
+def _assign_splits(
+    languages: tuple[str, ...],
+    drawn: list[np.ndarray],
+    seed: int,
+    valid_fraction: float,
+    test_fraction: float,
+) -> dict[str, list[tuple[str, int]]]:
+    """``{split: [(lang, number), ...]}`` of the numbers that may be held out.
+
+    ``drawn[l]`` holds language ``l``'s numbers (all languages the same count); the items are
+    ordered language-major and split by :func:`~.examples.seeded_split`, each split in its
+    permutation order.
+    """
     per_language = len(drawn[0])
     items = seeded_split(
         len(languages) * per_language,
@@ -167,7 +185,7 @@ def generate_pairs(
         valid_fraction=valid_fraction,
         test_fraction=test_fraction,
     )
-    chosen = {
+    return {
         split: [
             (
                 languages[int(i) // per_language],
@@ -177,7 +195,13 @@ def generate_pairs(
         ]
         for split in SPLITS
     }
-    chosen["train"] += [(lang, number) for lang in languages for number in range(low)]
+
+
+def _spell_out(
+    chosen: dict[str, list[tuple[str, int]]], languages: tuple[str, ...], shape_balance: float
+) -> dict[str, list[tuple[str, str]]]:
+    """The ``(source, target)`` string pairs of every split's ``(lang, number)`` items, each
+    training pair repeated (copies side by side) as :func:`shape_repeats` says."""
     repeats = {
         lang: shape_repeats([n for code, n in chosen["train"] if code == lang], shape_balance)
         for lang in languages

@@ -91,6 +91,41 @@ def make_dataset(
     Returns:
         A :class:`~.batching.FixedBatches` of batch dicts (random access and ``len``).
     """
+    _check_batch_arguments(
+        batch_size,
+        max_source_len,
+        max_target_len,
+        process_index,
+        process_count,
+        repeat=repeat,
+        drop_remainder=drop_remainder,
+    )
+    tokenized = tokenize_split(
+        source, tokenizer, max_source_len=max_source_len, max_target_len=max_target_len
+    )
+    return FixedBatches(
+        tokenized,
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        repeat=repeat,
+        drop_remainder=drop_remainder,
+        process_index=process_index,
+        process_count=process_count,
+    )
+
+
+def _check_batch_arguments(
+    batch_size: int,
+    max_source_len: int,
+    max_target_len: int,
+    process_index: int,
+    process_count: int,
+    *,
+    repeat: bool,
+    drop_remainder: bool,
+) -> None:
+    """Raises ValueError for arguments :func:`make_dataset` cannot batch with."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_source_len < 1 or max_target_len < 1:
@@ -108,16 +143,3 @@ def make_dataset(
             "a final partial batch cannot be split between processes: pass repeat or "
             "drop_remainder, or read global batches and slice them"
         )
-    tokenized = tokenize_split(
-        source, tokenizer, max_source_len=max_source_len, max_target_len=max_target_len
-    )
-    return FixedBatches(
-        tokenized,
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=shuffle,
-        repeat=repeat,
-        drop_remainder=drop_remainder,
-        process_index=process_index,
-        process_count=process_count,
-    )

@@ -15,7 +15,7 @@ white noise at an SNR of 20..30 dB (of the utterance's mean power). The split is
 every language at once: a validation or test number is never heard in training, in any
 language or voice. The numbers below ``always_train_below`` (the words no model can infer,
 "thirteen", "douze") are always in train; of the others, ``num_numbers`` are drawn (0: all up
-to ``max_number``) and split with :func:`~.common.seeded_split`. Training numbers are spoken
+to ``max_number``) and split with :func:`~.examples.seeded_split`. Training numbers are spoken
 ``utterances_per_number`` times per language, held-out ones once.
 
 :class:`SpokenNumbers` is the TFDS builder that synthesises them once into ``array_record``

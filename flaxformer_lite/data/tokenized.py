@@ -104,28 +104,37 @@ def tokenize_split(
         oov = _encode_extended(source, encoders, limits, pieces, truncated)
     else:
         oov = None
-        strings: tuple[list[str], list[str]] = ([], [])
-        for example in read_all(source):  # each record read once, in chunks
-            strings[0].append(as_str(example[SOURCE_FIELD]))
-            strings[1].append(as_str(example[TARGET_FIELD]))
-        for side in (0, 1):
-            for ids in _encode_all(encoders[side], strings[side]):
-                ids, cut = with_eos(ids, limits[side])
-                truncated[side] += cut
-                pieces[side].append(ids)
-    arrays = []
-    for side_pieces in pieces:
-        lengths = np.fromiter(map(len, side_pieces), np.int32, len(side_pieces))
-        flat = np.fromiter(itertools.chain.from_iterable(side_pieces), np.int32, int(lengths.sum()))
-        offsets = np.cumsum(lengths, dtype=np.int64) - lengths
-        views = np.split(flat, offsets[1:]) if len(side_pieces) else []
-        arrays.append((views, flat, offsets, lengths))
-    (sources, source_ids, source_offsets, source_lengths) = arrays[0]
-    (targets, target_ids, target_offsets, target_lengths) = arrays[1]
+        _encode_plain(source, encoders, limits, pieces, truncated)
+    (sources, source_ids, source_offsets, source_lengths) = _flattened(pieces[0])
+    (targets, target_ids, target_offsets, target_lengths) = _flattened(pieces[1])
     return Tokenized(
         sources, targets, source_ids, target_ids, source_offsets, target_offsets,
         source_lengths, target_lengths, max_source_len, max_target_len, *truncated, oov,
     )  # fmt: skip
+
+
+def _encode_plain(source, encoders, limits, pieces, truncated) -> None:
+    """`tokenize_split`'s encoding without extended ids: each side's strings encoded as one
+    list; fills `pieces` (ids + EOS per example) and `truncated` (counts per side)."""
+    strings: tuple[list[str], list[str]] = ([], [])
+    for example in read_all(source):  # each record read once, in chunks
+        strings[0].append(as_str(example[SOURCE_FIELD]))
+        strings[1].append(as_str(example[TARGET_FIELD]))
+    for side in (0, 1):
+        for ids in _encode_all(encoders[side], strings[side]):
+            ids, cut = with_eos(ids, limits[side])
+            truncated[side] += cut
+            pieces[side].append(ids)
+
+
+def _flattened(side_pieces: list[list[int]]):
+    """One side's ids as (views int32[length_i] into flat, flat int32[total], offsets
+    int64[n], lengths int32[n])."""
+    lengths = np.fromiter(map(len, side_pieces), np.int32, len(side_pieces))
+    flat = np.fromiter(itertools.chain.from_iterable(side_pieces), np.int32, int(lengths.sum()))
+    offsets = np.cumsum(lengths, dtype=np.int64) - lengths
+    views = np.split(flat, offsets[1:]) if len(side_pieces) else []
+    return views, flat, offsets, lengths
 
 
 def _encode_all(encoder: Encoder, strings: list[str]) -> list[list[int]]:

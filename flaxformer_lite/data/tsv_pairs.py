@@ -33,7 +33,7 @@ def split_line_indices(
 ) -> dict[str, np.ndarray]:
     """Assigns the lines ``0 .. num_lines - 1`` of a pairs file to splits, reproducibly.
 
-    The lines are assigned by :func:`~.common.seeded_split`. The split is by line, not by
+    The lines are assigned by :func:`~.examples.seeded_split`. The split is by line, not by
     content: a pair repeated on several lines may land in several splits.
 
     Returns:

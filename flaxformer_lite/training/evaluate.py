@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -98,32 +99,60 @@ def evaluate(
     """
     detokenize = row_detokenizer(dataset, tokenizer_lib.Vocabularies.of(tokenizer).target)
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
-    totals: dict[str, float] = {}
-    hyps: list[str] = []
-    probed: list[exposure_probe.ProbeArrays] = []
+    out = _Outputs()
     stop = should_stop or (lambda: False)
     for i in range(n):
         if stop():
             raise Stopped(i, n)
         host = dataset[i]
-        rows = partitioning.process_rows(len(host["valid"]), mesh)
-        batch = step_lib.device_batch({k: v[rows] for k, v in host.items()}, mesh)
-        for k, v in jax.device_get(eval_fn(params, batch)).items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-        # Under the mesh, the searches keep each device's top-k on its own rows
-        # (`search.primitives.rows_top_k`) instead of gathering the batch.
-        with jax.set_mesh(mesh):
-            decoded = decode_fn(params, batch)  # [B, T]
-        # A plain host copy with one process, an all-gather across processes.
-        predicted = multihost_utils.process_allgather(decoded, tiled=True)
-        hyps.extend(detokenize(predicted[host["valid"]], len(hyps)))
+        batch, decoded = _run_batch(host, params, mesh, eval_fn, decode_fn, detokenize, out)
         if exposure is not None and stop():  # the probe's passes cost as much as decoding
             raise Stopped(i, n)
         if exposure is not None:
             with jax.set_mesh(mesh):
                 arrays = exposure.arrays(params, batch, decoded)
-            probed.append(arrays.rows(host["valid"]))
-    refs = references[: len(hyps)]
+            out.probed.append(arrays.rows(host["valid"]))
+    refs = references[: len(out.hyps)]
+    metrics, signature = _corpus_metrics(out.totals, out.hyps, refs, wer=wer, bleu=bleu)
+    report = None
+    if exposure is not None:
+        report = exposure.report(out.probed)
+        metrics.update(report.metrics())
+    return Evaluation(metrics, list(zip(out.hyps, refs)), signature, report)
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """What an evaluation's batches gave so far, in dataset order."""
+
+    totals: dict[str, float] = dataclasses.field(default_factory=dict)  # metric sums
+    hyps: list[str] = dataclasses.field(default_factory=list)  # one text per valid row
+    probed: list[exposure_probe.ProbeArrays] = dataclasses.field(default_factory=list)
+
+
+def _run_batch(host, params, mesh, eval_fn, decode_fn, detokenize, out: _Outputs):
+    """Teacher-forced sums and decoded texts of one global batch, added to `out`.
+
+    `host`: the batch's numpy fields for every row ("valid" bool[B] among them).
+    Returns (this process's rows on the mesh, the decoded ids int32[B, T]).
+    """
+    rows = partitioning.process_rows(len(host["valid"]), mesh)
+    batch = step_lib.device_batch({k: v[rows] for k, v in host.items()}, mesh)
+    for k, v in jax.device_get(eval_fn(params, batch)).items():
+        out.totals[k] = out.totals.get(k, 0.0) + float(v)
+    # Under the mesh, the searches keep each device's top-k on its own rows
+    # (`search.primitives.rows_top_k`) instead of gathering the batch.
+    with jax.set_mesh(mesh):
+        decoded = decode_fn(params, batch)  # [B, T]
+    # A plain host copy with one process, an all-gather across processes.
+    predicted = multihost_utils.process_allgather(decoded, tiled=True)
+    out.hyps.extend(detokenize(predicted[host["valid"]], len(out.hyps)))
+    return batch, decoded
+
+
+def _corpus_metrics(totals, hyps, refs, *, wer: bool, bleu: bool):
+    """(metrics of the summed teacher-forced totals and of the texts against the references,
+    sacreBLEU's signature or None)."""
     metrics = cross_entropy.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
     if wer:
@@ -133,11 +162,7 @@ def evaluate(
         scores = corpus_scores(hyps, refs)
         metrics["bleu"], metrics["chrf"] = scores.bleu, scores.chrf
         signature = scores.signature
-    report = None
-    if exposure is not None:
-        report = exposure.report(probed)
-        metrics.update(report.metrics())
-    return Evaluation(metrics, list(zip(hyps, refs)), signature, report)
+    return metrics, signature
 
 
 def row_detokenizer(dataset, vocab):

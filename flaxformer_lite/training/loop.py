@@ -7,9 +7,11 @@ per-token Python work. Preparing the run (data, workdir, mesh, state, resume) is
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,26 @@ def _log_train_metrics(run: Run, sums, done: int, steps: int, elapsed: float) ->
     return metrics
 
 
+@dataclasses.dataclass
+class _LogWindow:
+    """The steps since the last train-metrics record: their summed metrics and their clock."""
+
+    start_time: float  # time.perf_counter() when training time began to count
+    last_logged: int  # the step of the last record
+    sums: Any = None  # summed metric sums of the steps since, None before the first
+
+    def add(self, sums) -> None:
+        """Adds one step's metric sums (float32 scalars)."""
+        self.sums = sums if self.sums is None else jax.tree.map(jnp.add, self.sums, sums)
+
+    def record(self, run: Run, done: int) -> dict:
+        """Writes the window's metrics at step `done`, returns them and opens a new window."""
+        elapsed = time.perf_counter() - self.start_time
+        metrics = _log_train_metrics(run, self.sums, done, done - self.last_logged, elapsed)
+        self.sums, self.start_time, self.last_logged = None, time.perf_counter(), done
+        return metrics
+
+
 def train_loop(run: Run) -> None:
     """Steps from the restored step to `train.num_steps`, with logging, evaluation, checkpoints.
 
@@ -52,9 +74,34 @@ def train_loop(run: Run) -> None:
     evaluation, early stopping (it then returns).
     """
     t = run.config.train
-    sums_acc = None
-    t_log, last_logged = time.perf_counter(), run.start
-    bar = tqdm(
+    window = _LogWindow(time.perf_counter(), run.start)
+    bar = _progress_bar(run)
+    run.stop_if_preempted(run.start, sync=True)
+    if run.early_stop.exhausted:  # a resumed run that had already stopped
+        run.log(run.early_stop.message(run.start))
+        return
+    device_batches = _device_batches(run)
+    for step in range(run.start, t.num_steps):
+        done = step + 1
+        window.add(_step(run, device_batches, done))
+        if done % t.log_every == 0 or done == t.num_steps:
+            metrics = window.record(run, done)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+        bar.update(1)
+        interrupted = _evaluate_or_save(run, done)  # evaluated or saved: not training time
+        run.stop_if_preempted(done)
+        if run.early_stop.exhausted:
+            run.log(run.early_stop.message(done))
+            break
+        if interrupted:  # tokens/s measures training alone
+            window.start_time = time.perf_counter()
+    bar.close()
+
+
+def _progress_bar(run: Run) -> tqdm:
+    """The training bar (steps), on process 0 when `train.progress_bar`."""
+    t = run.config.train
+    return tqdm(
         total=t.num_steps,
         initial=run.start,
         desc="train",
@@ -62,52 +109,48 @@ def train_loop(run: Run) -> None:
         disable=not t.progress_bar or jax.process_index() != 0,
         dynamic_ncols=True,
     )
-    run.stop_if_preempted(run.start, sync=True)
-    if run.early_stop.exhausted:  # a resumed run that had already stopped
-        run.log(run.early_stop.message(run.start))
-        return
+
+
+def _device_batches(run: Run):
+    """The batches of the remaining steps, read ahead on the host and sent ahead to the mesh."""
+    t = run.config.train
     batches = train_data.prefetch(
         lambda i: run.train_batches[i], run.first_batch, run.first_batch + t.num_steps - run.start
     )
-    device_batches = train_data.device_prefetch(
-        batches, lambda host: step_lib.device_batch(host, run.mesh)
-    )
-    for step in range(run.start, t.num_steps):
-        done = step + 1
-        with run.watch("step", f"step {done}"):
-            # Sends the next step's batch on its way before this one runs.
-            batch = next(device_batches)
-            run.state, sums = run.train_step(run.state, batch)
-            run.guard.add(done, sums)
-            run.guard.check(1)  # the step before: the host stays one step ahead
-            run.ckpt.check()  # a background save that failed ends the run here
-        sums_acc = sums if sums_acc is None else jax.tree.map(jnp.add, sums_acc, sums)
-        if done % t.log_every == 0 or done == t.num_steps:
-            elapsed = time.perf_counter() - t_log
-            metrics = _log_train_metrics(run, sums_acc, done, done - last_logged, elapsed)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
-            sums_acc, t_log, last_logged = None, time.perf_counter(), done
-        bar.update(1)
-        interrupted = False  # evaluated or checkpointed: not training time
-        if done == t.num_steps:
-            pass  # final_evaluation saves and evaluates the last step
-        elif t.eval_every and done % t.eval_every == 0:
-            run.guard.check(0)
-            result = run.evaluate("validation", done, t.eval_max_batches or None)
-            run.validated = None if t.eval_max_batches else (done, result)
-            run.early_stop.update(done, result.metrics)
-            # Every evaluated step is saved, so that the best ones can be kept.
-            run.save(done, force=True, metrics=result.metrics)
-            interrupted = True
-        else:
-            interrupted |= run.save(done)
-        run.stop_if_preempted(done)
-        if run.early_stop.exhausted:
-            run.log(run.early_stop.message(done))
-            break
-        if interrupted:  # tokens/s measures training alone
-            t_log = time.perf_counter()
-    bar.close()
+    return train_data.device_prefetch(batches, lambda host: step_lib.device_batch(host, run.mesh))
+
+
+def _step(run: Run, device_batches, done: int):
+    """Runs step `done` (1-based) on the next batch, under the hang watchdog; its metric sums.
+
+    The guard checks the step before (the host stays one step ahead), and a background save
+    that failed ends the run here.
+    """
+    with run.watch("step", f"step {done}"):
+        # Sends the next step's batch on its way before this one runs.
+        batch = next(device_batches)
+        run.state, sums = run.train_step(run.state, batch)
+        run.guard.add(done, sums)
+        run.guard.check(1)  # the step before: the host stays one step ahead
+        run.ckpt.check()  # a background save that failed ends the run here
+    return sums
+
+
+def _evaluate_or_save(run: Run, done: int) -> bool:
+    """After step `done`: the validation evaluation when due (then a forced save), else a
+    save when due. Returns whether it evaluated or saved."""
+    t = run.config.train
+    if done == t.num_steps:
+        return False  # final_evaluation saves and evaluates the last step
+    if t.eval_every and done % t.eval_every == 0:
+        run.guard.check(0)
+        result = run.evaluate("validation", done, t.eval_max_batches or None)
+        run.validated = None if t.eval_max_batches else (done, result)
+        run.early_stop.update(done, result.metrics)
+        # Every evaluated step is saved, so that the best ones can be kept.
+        run.save(done, force=True, metrics=result.metrics)
+        return True
+    return run.save(done)
 
 
 def final_evaluation(run: Run) -> dict[str, float]:

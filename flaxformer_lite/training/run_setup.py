@@ -237,17 +237,37 @@ def prepare(
     A latest checkpoint that cannot be read or fails its checksums is set aside
     and the newest good one restored (see `Checkpointer.restore_latest_good`).
     """
+    mesh = _checked_mesh(planned)
+    if jax.process_index() == 0:
+        on_checked()
+    splits, tokenizer, config, had_run = distributed.process_0_first(
+        lambda: _prepare_workdir(planned, workdir), "preparing the data and the workdir"
+    )
+    run = _new_run(config, mesh, splits, tokenizer, workdir, log)
+    try:
+        _resume(run, had_run, workdir, splits["train"])
+    except BaseException:
+        run.close(failing=True)
+        raise
+    return run
+
+
+def _checked_mesh(planned: RunConfig):
+    """The run's device mesh, once the attention kernel suits the platform and the batch
+    sizes divide among the mesh's data shards."""
     kernels.check_platform(planned.model.attention_impl)
     t, d = planned.train, planned.data
     mesh = partitioning.mesh_from_config(planned.mesh)
     if not (d.batching == "bucket" and d.max_tokens):
         partitioning.check_batch_size(t.batch_size, mesh, "train.batch_size")
     partitioning.check_batch_size(t.eval_batch_size, mesh, "train.eval_batch_size")
-    if jax.process_index() == 0:
-        on_checked()
-    splits, tokenizer, config, had_run = distributed.process_0_first(
-        lambda: _prepare_workdir(planned, workdir), "preparing the data and the workdir"
-    )
+    return mesh
+
+
+def _new_run(config: RunConfig, mesh, splits, tokenizer, workdir: str, log: Log) -> Run:
+    """The `Run` of a fresh state (the model initialised with `train.seed`), its jitted steps,
+    batches and checkpointer; `_resume` then restores a saved state into it."""
+    t, d = config.train, config.data
     model = build_model(config)
     log(precision.describe(config.model, config.optim.state_dtype))
     schedule, tx = optim.of_run(config)
@@ -258,7 +278,7 @@ def prepare(
     ckpt = _checkpointer(config, workdir, state, log)
     search = search_from_config(config)
     eval_sets, references = _eval_sets(config, splits, tokenizer)
-    run = Run(
+    return Run(
         config=config,
         log=log,
         mesh=mesh,
@@ -284,12 +304,6 @@ def prepare(
         early_stop=EarlyStopping(t.best_metric, ckpt.best_mode, t.early_stop_patience),
         guard=NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, log),
     )
-    try:
-        _resume(run, had_run, workdir, splits["train"])
-    except BaseException:
-        run.close(failing=True)
-        raise
-    return run
 
 
 def _resume(run: Run, had_run: bool, workdir: str, train_split) -> None:

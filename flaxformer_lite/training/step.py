@@ -51,27 +51,51 @@ def train_step(
     if grad_accum_steps == 1:
         grads, sums = grad_fn(state.params, batch, rng)
     else:
-        n = grad_accum_steps
-        micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+        grads, sums = _accumulated_gradients(grad_fn, state.params, batch, rng, grad_accum_steps)
+    grads = _per_token_mean(grads, sums, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return _guarded_update(state, params, opt_state, grads, updates, sums)
 
-        def accumulate(carry, inputs):
-            i, mb = inputs
-            g, s = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
-            return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, (g, s)), None
 
-        zeros = jax.eval_shape(
-            lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], micro), rng)
-        )
-        # Sums in float32 whatever the parameters' dtype: n bf16 additions would round n times.
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, _accumulator(x.dtype)), zeros)
-        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(n), micro))
+def _accumulated_gradients(grad_fn, params, batch, rng, n: int):
+    """Summed gradients and metric sums of `batch` split into `n` micro-batches.
+
+    `grad_fn(params, micro-batch, key) -> (gradients, sums)` runs once per micro-batch
+    (rows [i * B / n, (i + 1) * B / n), key `fold_in(rng, i)`) inside one `lax.scan`;
+    floating sums are kept in float32. Returns (gradients, sums) shaped as one call's.
+    """
+    micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+    def accumulate(carry, inputs):
+        i, mb = inputs
+        g, s = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, (g, s)), None
+
+    zeros = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), rng))
+    # Sums in float32 whatever the parameters' dtype: n bf16 additions would round n times.
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, _accumulator(x.dtype)), zeros)
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(n), micro))
+    return grads, sums
+
+
+def _per_token_mean(grads, sums, params):
+    """Summed gradients divided by the batch's token count (at least 1), each leaf in its
+    parameter's dtype."""
     # The mean over the batch's tokens, in float32, returned in each parameter's dtype: a
     # bf16 gradient divided by the float32 count would otherwise become float32 and turn
     # the optimiser's moments float32 too (the update and the kept state must match).
     tokens = jnp.maximum(sums["tokens"], 1.0)
-    grads = jax.tree.map(lambda g, p: (g / tokens).astype(p.dtype), grads, state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    return jax.tree.map(lambda g, p: (g / tokens).astype(p.dtype), grads, params)
+
+
+def _guarded_update(state: TrainState, params, opt_state, grads, updates, sums):
+    """The next state and the step's metric sums, the update dropped if anything is not finite.
+
+    `params` and `opt_state` are the updated ones, `grads` the per-token mean gradients,
+    `updates` the optimiser's. Returns (state with step + 1, sums with "grad_norm" and the
+    "nonfinite" code, as `train_step` documents).
+    """
     grad_norm = optax.global_norm(grads)
     # A non-finite loss, gradient or update never reaches the state: the update
     # is dropped (the step still counts, so the data sequence is unchanged), and the loop

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from flaxformer_lite.atomic_files import atomic_write
 from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data import examples
-from flaxformer_lite.translate import line_io, reports, runner
+from flaxformer_lite.translate import input_lines, line_io, reports, runner
 
 MANIFEST = "distill.json"
 # Our split name -> the file prefix in the written corpus.
@@ -151,7 +151,7 @@ def distill_targets(
     distinct = list(dict.fromkeys(sources))  # first-seen order
     max_source_len = run_config.data.max_source_len
     copy_head = run_config.copy is not None  # its extended ids, as in training
-    tokenized = runner.tokenize_lines(tokenizer, distinct, max_source_len, extended=copy_head)
+    tokenized = input_lines.tokenize_lines(tokenizer, distinct, max_source_len, extended=copy_head)
     for warning in reports.input_warnings(0, tokenized, max_source_len):
         log(f"{warning} (of the {len(distinct)} distinct training sources)")
     result = runner.decode_lines(

@@ -87,7 +87,7 @@ def report_lines(
 
     Args:
       model: a `models.base.Seq2SeqModel`.
-      sources: `runner.tokenize_lines` of the input lines.
+      sources: `input_lines.tokenize_lines` of the input lines.
       targets: `tokenize_references` of the reference lines (one per input line).
       greedy_ids: per line, the greedy output ids (`DecodeResult.output_ids`),
         decoded with `search`.

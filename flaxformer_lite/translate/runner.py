@@ -3,8 +3,9 @@
 The guarantee: exactly one result per input line, in input order. Empty lines
 are passed through as empty outputs without running the model, and over-long
 sources are truncated (or refused with `strict`). Reading and writing the
-lines is `line_io.py`'s; BLEU, plots and messages are `reports.py`'s; grouping
-the tokenized lines into padded batches of a few fixed shapes is `bucketing.py`'s.
+lines is `line_io.py`'s; tokenizing them `input_lines.py`'s; BLEU, plots and
+messages are `reports.py`'s; grouping the tokenized lines into padded batches
+of a few fixed shapes is `bucketing.py`'s.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from flaxformer_lite.config.run import RunConfig
-from flaxformer_lite.constants import EOS_ID, PAD_ID, UNK_ID
+from flaxformer_lite.constants import EOS_ID, PAD_ID
 from flaxformer_lite.data import tokenizer as tokenizer_lib
-from flaxformer_lite.data.extended_ids import ExtendedVocabulary
-from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies, with_eos
+from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies
 from flaxformer_lite.models import predict
 from flaxformer_lite.training import checkpoint_format
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR, WorkdirError, load_run_config
@@ -33,8 +34,8 @@ from flaxformer_lite.translate.bucketing import (
     bucket_lengths,
     pad_rows,
     plan_batches,
-    too_long_error,
 )
+from flaxformer_lite.translate.input_lines import tokenize_lines
 from flaxformer_lite.translate.line_io import InputError
 
 # Workdir and search settings.
@@ -194,89 +195,6 @@ def make_nat_search(
     )
 
 
-# Tokenizing.
-
-
-def tokenize_lines(
-    tokenizer: Tokenizer | Vocabularies,
-    lines: Sequence[str],
-    max_source_len: int,
-    *,
-    strict: bool = False,
-    extended: bool = False,
-) -> Sources:
-    """Source ids as training makes them: `encode(line) + [EOS]`, at most `max_source_len`.
-
-    `tokenizer`: the shared tokenizer, or the pair whose source side is used.
-    `extended`: unknown pieces get the copy head's extended ids (`Sources.oov`).
-
-    Blank lines get [] and are not decoded. Longer sources are cut to
-    `max_source_len` ids with EOS kept last, or with `strict` refused.
-
-    Raises:
-      InputError: `strict` and some line is too long (names the first line numbers, 1-based).
-    """
-    encoder = Vocabularies.of(tokenizer).source
-    extension = ExtendedVocabulary(encoder) if extended else None
-    out = Sources(ids=[], oov=[] if extended else None)
-    too_long = []
-    for number, line in enumerate(lines, start=1):
-        ids = encoder.encode(line) if line.strip() else []
-        if extension is not None:
-            out.oov.append(())
-        if not ids:
-            out.ids.append([])
-            out.num_empty += 1
-            continue
-        out.num_unknown += UNK_ID in ids
-        if extension is None:
-            ids, truncated = with_eos(ids, max_source_len)
-        else:
-            ids, out.oov[-1], truncated = extension.encode_source(line, max_source_len)
-        if truncated:
-            too_long.append(number)
-        out.ids.append(ids)
-    out.num_truncated = len(too_long)
-    if strict and too_long:
-        raise too_long_error(too_long, "input", max_source_len, "source")
-    return out
-
-
-def features_of_lines(lines: Sequence[str], run_config: RunConfig, max_source_len: int) -> Sources:
-    """A speech workdir's input: each line is a WAV path, read into the features training
-    used (`audio_features.speech_features` with the run's `data.num_mels`), at most
-    `max_source_len` frames (longer ones are cut, and counted). Blank lines are not decoded.
-
-    Sources.ids then holds float32[K, F] per line ([] for a blank one).
-
-    Raises:
-      InputError: a file is missing, unreadable, or not 16-bit PCM mono WAV (names the line).
-    """
-    from flaxformer_lite.data import audio_features
-
-    num_mels = run_config.data.num_mels
-    out = Sources(ids=[])
-    for number, line in enumerate(lines, start=1):
-        path = line.strip()
-        if not path:
-            out.ids.append([])
-            out.num_empty += 1
-            continue
-        try:
-            samples, rate = audio_features.read_wav(path)
-        except audio_features.AudioError as e:
-            raise InputError(f"input line {number}: {e}") from None
-        frames = audio_features.speech_features(samples, rate, num_mels)
-        out.num_truncated += len(frames) > max_source_len
-        out.ids.append(frames[:max_source_len])
-    return out
-
-
-def is_speech(run_config: RunConfig) -> bool:
-    """Whether a workdir's encoder reads speech features (its input lines are WAV paths)."""
-    return bool(run_config.model.input_features)
-
-
 # Decoding.
 
 
@@ -355,8 +273,6 @@ def decode_lines(
     Raises:
       InputError: `strict` and a line longer than the model's source length.
     """
-
-    target_vocab = Vocabularies.of(tokenizer).target
     max_source_len = run_config.data.max_source_len
     sources = lines
     if not isinstance(lines, Sources):
@@ -368,23 +284,44 @@ def decode_lines(
     live, rows = sum(1 for n in lengths if n), batch_rows(lengths, batch_size)
     batches = plan_batches(lengths, rows, bucket_lengths(max_source_len))
     result = DecodeResult([[] for _ in lengths], [[] for _ in lengths], sources, set())
+    detokenize = sources.detokenizer(Vocabularies.of(tokenizer).target)
+    collect = _Collector(result, detokenize, nbest, progress_bar(live, "decode", progress))
+    _decode_batches(model, params, sources, batches, rows, search, seed, collect)
+    collect.bar.close()
+    result.seconds = time.perf_counter() - collect.start
+    return result
+
+
+@dataclasses.dataclass
+class _Collector:
+    """Stores decoded batches into a `DecodeResult`, advancing a progress bar with tokens/s."""
+
+    result: DecodeResult
+    detokenize: Callable  # (ids, line index) -> text, as `Sources.detokenizer`
+    nbest: int
+    bar: Any  # tqdm
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def __call__(self, indices, tokens, scores) -> None:
+        """Stores one batch: tokens int32[rows, n, max_len], scores float32[rows, n]."""
+        self.result.collect(indices, tokens, scores, self.detokenize, self.nbest)
+        self.bar.update(len(indices))
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.result.num_output_tokens / elapsed:.0f} tok/s")
+
+
+def _decode_batches(model, params, sources: Sources, batches, rows: int, search, seed, collect):
+    """Runs `predict_batch` on each planned (line indices, length) batch of `sources`, padded
+    to [rows, length], and hands each output to `collect` while the next batch runs.
+
+    Sampling draws with `fold_in(PRNGKey(seed), batch number)`.
+    """
     base_rng = jax.random.PRNGKey(seed)
-    bar = progress_bar(live, "decode", progress)
-    start = time.perf_counter()
-
-    detokenize = sources.detokenizer(target_vocab)
-
-    def collect(indices, tokens, scores):
-        result.collect(indices, tokens, scores, detokenize, nbest)
-        bar.update(len(indices))
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix_str(f"{result.num_output_tokens / elapsed:.0f} tok/s")
-
     pending = None
     for b, (indices, length) in enumerate(batches):
         inputs = pad_rows(sources.ids, indices, rows, length)
         inputs, valid = inputs if isinstance(inputs, tuple) else (inputs, None)
-        result.batch_shapes.add(inputs.shape[:2])
+        collect.result.batch_shapes.add(inputs.shape[:2])
         rng = jax.random.fold_in(base_rng, b) if search.method == "sample" else None
         out = predict_batch(model, params, inputs, search, rng, valid)
         # Dispatch is asynchronous: detokenize the previous batch while this one runs.
@@ -393,6 +330,3 @@ def decode_lines(
         pending = (indices, *out)
     if pending is not None:
         collect(*pending)
-    bar.close()
-    result.seconds = time.perf_counter() - start
-    return result

@@ -136,7 +136,7 @@ def score_lines(
     Args:
       model: a `models.base.Seq2SeqModel` (its `score` is called).
       run_config: the workdir's; its data.max_source_len / max_target_len bound the buckets.
-      sources: from `runner.tokenize_lines`; targets: from `tokenize_targets` (same lengths).
+      sources: from `input_lines.tokenize_lines`; targets: from `tokenize_targets` (same lengths).
       progress: tqdm bar on stderr (None: on a terminal only).
     Raises:
       InputError: a line-count mismatch or batch_size < 1.

@@ -26,7 +26,7 @@ from flaxformer_lite.config.run import parse
 from flaxformer_lite.data import examples
 from flaxformer_lite.models import from_config
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
-from flaxformer_lite.translate import distillation, line_io, runner
+from flaxformer_lite.translate import distillation, input_lines, line_io, runner
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 BEAM = dict(beam_size=2, alpha=0.6)
@@ -116,7 +116,7 @@ def test_each_distinct_source_is_decoded_once(distilled, splits, loaded):
     distinct = list(dict.fromkeys(sources))
     assert len(distinct) < len(sources)  # the shape balance repeats pairs
     assert manifest["num_distinct_sources"] == len(distinct)
-    want = runner.tokenize_lines(tokenizer, distinct, run_config.data.max_source_len)
+    want = input_lines.tokenize_lines(tokenizer, distinct, run_config.data.max_source_len)
     assert calls == [want.ids]
 
 

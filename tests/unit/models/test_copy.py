@@ -366,7 +366,7 @@ def test_beam_search_with_the_head_finds_the_copied_hypothesis():
 def test_an_unknown_source_piece_is_emitted_and_read_from_the_source(tokenizer):
     """With p_gen = 0 and uniform attention the most frequent source id is copied: the
     unknown piece, emitted as its extended id and decoded as its source text."""
-    from flaxformer_lite.translate import runner
+    from flaxformer_lite.translate import input_lines, runner
 
     cfg = dataclasses.replace(CFG, vocab_size=tokenizer.vocab_size)
     model = AutoregressiveModel(cfg, copy=CopyHead())
@@ -378,7 +378,7 @@ def test_an_unknown_source_piece_is_emitted_and_read_from_the_source(tokenizer):
         **params["decoder"][f"layer_{cfg.num_decoder_layers - 1}"], "cross_attention": layer
     }}  # fmt: skip
     line = "ŽaŽaŽaŽ"  # pieces ▁ Ž a Ž a Ž a Ž: the unknown Ž holds 4 of 9 positions
-    sources = runner.tokenize_lines(tokenizer, [line, ""], 12, extended=True)
+    sources = input_lines.tokenize_lines(tokenizer, [line, ""], 12, extended=True)
     assert sources.oov == [("Ž",), ()]
     run_config = RunConfig(model=cfg, data=DataConfig(max_source_len=12), copy=CopyHead())
     result = runner.decode_lines(
