@@ -6,11 +6,14 @@ the `e2e` marker (`-m e2e` runs them alone, `-m "not e2e"` the unit tests alone)
 """
 
 import atexit
+import fcntl
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -143,6 +146,59 @@ def tiny_model_config(**overrides):
 @pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tfds"))
+
+
+def session_shared_dir(tmp_path_factory) -> pathlib.Path:
+    """A directory of this test session that every pytest-xdist worker sees.
+
+    Each worker's base temp dir is a child of the session's (pytest-xdist's documented
+    pattern); without xdist the base temp dir is the session's own.
+    """
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+def build_once(tmp_path_factory, name: str, build: Callable[[pathlib.Path], None]) -> str:
+    """`build(path)` run once per test session, whichever worker asks first; returns path.
+
+    The others wait on a lock file next to it; a build that failed leaves no done-marker,
+    so the next worker to ask starts it again from an empty directory.
+    """
+    shared = session_shared_dir(tmp_path_factory)
+    path, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                path.mkdir()
+                build(path)
+                done.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return str(path)
+
+
+TRAINED_TINY_STEPS = 60  # checkpoints every 10 steps, the last 5 kept: 20, 30, 40, 50, 60
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory) -> str:
+    """A workdir of configs/tiny.py trained for TRAINED_TINY_STEPS steps, once per session.
+
+    For tests that only read a trained run (decoding, scoring, distilling, loading): it is
+    shared by every test file on every worker, so a test that changes a workdir copies it
+    first. Its data is prepared in a tfds dir of its own, next to it.
+    """
+
+    def train(path: pathlib.Path) -> None:
+        from flaxformer_lite.config.run import parse
+        from flaxformer_lite.training import loop
+
+        config = tiny_config(str(path / "tfds"), num_steps=TRAINED_TINY_STEPS)
+        loop.train_and_evaluate(parse(config), str(path / "run"), log=lambda s: None)
+
+    return os.path.join(build_once(tmp_path_factory, "trained_tiny", train), "run")
 
 
 def assert_params_close(got: dict, want: dict) -> None:

@@ -31,12 +31,9 @@ def run_decode(*args, stdin=b""):
 
 
 @pytest.fixture(scope="module")
-def workdir(tfds_dir, tmp_path_factory):
-    from flaxformer_lite.training import loop
-
-    path = str(tmp_path_factory.mktemp("decode") / "run")
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=60)), path, log=lambda s: None)
-    return path
+def workdir(trained_tiny):
+    """The shared tiny run: 60 steps, checkpoints 20 to 60 (read, never written)."""
+    return trained_tiny
 
 
 @pytest.fixture(scope="module")

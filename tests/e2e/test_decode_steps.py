@@ -8,17 +8,17 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import TRAINED_TINY_STEPS
 from test_decode_cli import run_decode
 
-from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import checkpoint_format, restore
 from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
 # A failed orbax read or write leaves its unfinished coroutines to the garbage collector.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
-LOSSES = {10: 0.5, 20: 0.9}  # validation losses: the earlier step is the best
+BEST, LATEST = TRAINED_TINY_STEPS - 10, TRAINED_TINY_STEPS  # two of its checkpoints
+LOSSES = {BEST: 0.5, LATEST: 0.9}  # validation losses: the earlier step is the best
 
 
 def edit_meta(workdir, step, edit) -> None:
@@ -56,13 +56,14 @@ def same_bits(a, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def workdir(tfds_dir, tmp_path_factory):
-    """A tiny trained workdir (checkpoints 10 and 20) whose checkpoints carry validation
-    metrics, as `Checkpointer.save(..., metrics=...)` writes them."""
-    from flaxformer_lite.training import loop
-
+def workdir(trained_tiny, tmp_path_factory):
+    """A copy of the shared tiny run with two checkpoints (BEST and LATEST) that carry
+    validation metrics, as `Checkpointer.save(..., metrics=...)` writes them."""
     path = str(tmp_path_factory.mktemp("steps") / "run")
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=20)), path, log=lambda s: None)
+    shutil.copytree(trained_tiny, path)
+    for step in checkpoint_format.list_steps(path):
+        if step not in LOSSES:
+            shutil.rmtree(os.path.join(path, CHECKPOINT_DIR, str(step)))
     for step, loss in LOSSES.items():
         edit_meta(path, step, with_metrics({"loss": loss, "bleu": loss * 10}))
     return path
@@ -76,23 +77,24 @@ def copy(workdir, tmp_path):
 
 
 def test_step_specs(workdir):
-    assert restore.resolve_step(workdir, None) == restore.resolve_step(workdir, "latest") == 20
-    assert restore.resolve_step(workdir, "10") == restore.resolve_step(workdir, 10) == 10
-    assert restore.resolve_step(workdir, "best") == 10
-    assert restore.resolve_step(workdir, "latest-good") == 20
+    assert restore.resolve_step(workdir, None) == restore.resolve_step(workdir, "latest") == LATEST
+    assert restore.resolve_step(workdir, str(BEST)) == restore.resolve_step(workdir, BEST) == BEST
+    assert restore.resolve_step(workdir, "best") == BEST
+    assert restore.resolve_step(workdir, "latest-good") == LATEST
     best, _ = restore.restore_params(workdir, "best")
-    assert same_bits(best, restore.restore_params(workdir, 10)[0])
+    assert same_bits(best, restore.restore_params(workdir, BEST)[0])
     for bad in ("nonsense", "-1", "1.5", "", True):
         with pytest.raises(restore.StepSpecError, match="pass latest, latest-good, best, or a"):
             restore.resolve_step(workdir, bad)
-    with pytest.raises(FileNotFoundError, match="no checkpoint for step 15 .* steps: 10, 20"):
-        restore.resolve_step(workdir, "15")
+    between = f"no checkpoint for step {BEST + 5} .* steps: {BEST}, {LATEST}"
+    with pytest.raises(FileNotFoundError, match=between):
+        restore.resolve_step(workdir, str(BEST + 5))
 
 
 def test_best_follows_the_saved_metric_and_needs_one(copy):
-    for step, loss in LOSSES.items():  # ranked by BLEU, higher is better: step 20
+    for step, loss in LOSSES.items():  # ranked by BLEU, higher is better: LATEST
         edit_meta(copy, step, with_metrics({"loss": loss, "bleu": loss * 10}, "bleu", "max"))
-    assert restore.resolve_step(copy, "best") == 20
+    assert restore.resolve_step(copy, "best") == LATEST
     for step in LOSSES:
         edit_meta(copy, step, lambda m: {k: v for k, v in m.items() if k != "metrics"})
     with pytest.raises(restore.StepSpecError) as e:
@@ -104,24 +106,26 @@ def test_best_follows_the_saved_metric_and_needs_one(copy):
 
 
 def test_latest_good_skips_a_corrupted_step_and_moves_nothing(copy):
-    truncate_arrays(copy, 20)
+    truncate_arrays(copy, LATEST)
     before = tree_listing(copy)
     warnings = []
     params, _ = restore.restore_params(copy, "latest-good", log=warnings.append)
-    assert same_bits(params, restore.restore_params(copy, 10)[0])
+    assert same_bits(params, restore.restore_params(copy, BEST)[0])
     directory = os.path.join(copy, CHECKPOINT_DIR)
     assert len(warnings) == 1, warnings
-    assert warnings[0].startswith(f"warning: checkpoint 20 in {directory} is unusable (")
-    assert warnings[0].endswith("); using step 10")
-    assert restore.resolve_step(copy, "latest-good", log=warnings.append) == 10
+    assert warnings[0].startswith(f"warning: checkpoint {LATEST} in {directory} is unusable (")
+    assert warnings[0].endswith(f"); using step {BEST}")
+    assert restore.resolve_step(copy, "latest-good", log=warnings.append) == BEST
     assert tree_listing(copy) == before  # decoding never changes a workdir
-    truncate_arrays(copy, 10)
-    with pytest.raises(checkpoint_format.CheckpointIntegrityError, match="steps 20, 10 are all"):
+    truncate_arrays(copy, BEST)
+    with pytest.raises(
+        checkpoint_format.CheckpointIntegrityError, match=f"steps {LATEST}, {BEST} are all"
+    ):
         restore.resolve_step(copy, "latest-good", log=warnings.append)
 
 
 def test_cli_step_flag(copy):
-    truncate_arrays(copy, 20)
+    truncate_arrays(copy, LATEST)
     before = tree_listing(copy)
     args = ("--workdir", copy, "--step", "latest-good", "--beam_size", "1")
     done = run_decode(*args, stdin=b"en 12\n")
@@ -129,7 +133,8 @@ def test_cli_step_flag(copy):
     assert done.returncode == 0, err[-3000:]
     assert len(done.stdout.decode().splitlines()) == 1
     warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint")]
-    assert len(warnings) == 1 and "checkpoint 20" in warnings[0] and "using step 10" in warnings[0]
+    assert len(warnings) == 1 and f"checkpoint {LATEST}" in warnings[0]
+    assert f"using step {BEST}" in warnings[0]
     assert tree_listing(copy) == before
     done = run_decode("--workdir", copy, "--step", "nonsense", stdin=b"en 12\n")
     assert done.returncode == 2

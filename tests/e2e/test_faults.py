@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import ROOT, TRAINED_TINY_STEPS, tiny_config
 
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import checkpoint_format, checkpoints, load_state, loop, restore
@@ -26,6 +26,7 @@ from flaxformer_lite.training.workdir import CHECKPOINT_DIR
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 quiet = lambda s: None  # noqa: E731
+LAST = TRAINED_TINY_STEPS  # the shared tiny run's last step, checkpointed every 10 steps
 
 
 def _leaves(tree):
@@ -37,11 +38,10 @@ def _steps(workdir):
 
 
 @pytest.fixture(scope="module")
-def trained(tfds_dir, tmp_path_factory):
-    """The tiny run trained to step 20 once, checkpoints at 10 and 20; tests copy it."""
-    path = str(tmp_path_factory.mktemp("faults") / "run")
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=20)), path, log=quiet)
-    return path
+def trained(trained_tiny):
+    """The shared tiny run, trained to step LAST with a checkpoint every 10 steps; tests copy
+    it (training on from it with the same config gives the batches it would have seen)."""
+    return trained_tiny
 
 
 def _copy(trained, tmp_path, name="run"):
@@ -66,34 +66,34 @@ def _flip_bytes(workdir, step, count=8):
 
 def test_corrupted_latest_checkpoint_falls_back_to_the_newest_good_one(trained, tfds_dir, tmp_path):
     workdir = _copy(trained, tmp_path)
-    _flip_bytes(workdir, 20)
+    _flip_bytes(workdir, LAST)
     messages = []
     results = loop.train_and_evaluate(
-        parse(tiny_config(tfds_dir, num_steps=20)), workdir, messages.append
+        parse(tiny_config(tfds_dir, num_steps=LAST)), workdir, messages.append
     )
-    assert any("checkpoint 20" in m and "unusable" in m for m in messages), messages
-    assert any("resumed from step 10" in m for m in messages), messages
-    assert results["step"] == 20 and _steps(workdir)[-1] == 20  # step 20 trained again
+    assert any(f"checkpoint {LAST}" in m and "unusable" in m for m in messages), messages
+    assert any(f"resumed from step {LAST - 10}" in m for m in messages), messages
+    assert results["step"] == LAST and _steps(workdir)[-1] == LAST  # step LAST trained again
     # The corrupted step was set aside whole, not deleted.
-    aside = os.path.join(workdir, CHECKPOINT_DIR + checkpoint_format.CORRUPT_SUFFIX, "20")
+    aside = os.path.join(workdir, CHECKPOINT_DIR + checkpoint_format.CORRUPT_SUFFIX, str(LAST))
     assert os.path.isdir(os.path.join(aside, "state")), os.listdir(os.path.dirname(aside))
-    # Training from the good step 10 gave the same step 20 as the original run.
-    _, again, _, _ = load_state.restore_trained(workdir, 20)
-    _, original, _, _ = load_state.restore_trained(trained, 20)
+    # Training from the good step LAST - 10 gave the same step LAST as the original run.
+    _, again, _, _ = load_state.restore_trained(workdir, LAST)
+    _, original, _, _ = load_state.restore_trained(trained, LAST)
     for a, b in zip(_leaves(again), _leaves(original)):
         np.testing.assert_array_equal(a, b)
 
 
 def test_nonfinite_loss_stops_without_a_nonfinite_checkpoint(trained, tfds_dir, tmp_path):
     workdir = _copy(trained, tmp_path)
-    config = tiny_config(tfds_dir, num_steps=40, checkpoint_every=2)
+    config = tiny_config(tfds_dir, num_steps=LAST + 20, checkpoint_every=2)
     config.optim.learning_rate = 1e9
     with pytest.raises(NonFiniteError, match=r"not finite at step (\d+); training stopped") as e:
         loop.train_and_evaluate(parse(config), workdir, log=quiet)
     assert "\n" not in str(e.value)
     bad = int(str(e.value).split("at step ")[1].split(";")[0])
     steps = _steps(workdir)
-    assert 20 < bad <= 40 and steps[-1] < bad, (bad, steps)
+    assert LAST < bad <= LAST + 20 and steps[-1] < bad, (bad, steps)
     for step in steps:  # every checkpoint that exists is finite
         params, _ = restore.restore_params(workdir, step)
         assert all(np.isfinite(x).all() for x in _leaves(params)), step
@@ -125,17 +125,18 @@ def test_sigterm_during_the_final_evaluation_stops_it_between_batches(
 
     monkeypatch.setattr(evaluate.partitioning, "process_rows", signalled_rows)
     messages = []
-    config = tiny_config(tfds_dir, num_steps=22, eval_batch_size=4)
+    config = tiny_config(tfds_dir, num_steps=LAST + 2, eval_batch_size=4)
     with pytest.raises(Preempted) as e:
         loop.train_and_evaluate(parse(config), workdir, log=messages.append)
-    assert (
-        str(e.value) == "preempted at step 22; checkpoint saved; rerun the same command to resume"
+    assert str(e.value) == (
+        f"preempted at step {LAST + 2}; checkpoint saved; rerun the same command to resume"
     )
     assert len(batches) == 1  # of many: 4 examples per batch
-    assert any(m.startswith("step 22 validation evaluation: stopped after 1 of ") for m in messages)
-    assert _steps(workdir)[-1] == 22
+    stopped = f"step {LAST + 2} validation evaluation: stopped after 1 of "
+    assert any(m.startswith(stopped) for m in messages)
+    assert _steps(workdir)[-1] == LAST + 2
     _, state, _, _ = load_state.restore_trained(workdir)
-    assert int(state.step) == 22
+    assert int(state.step) == LAST + 2
 
 
 def test_early_stopping_keeps_the_best_checkpoint(tfds_dir, tmp_path):
@@ -207,23 +208,25 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(
         save = checkpoints.Checkpointer.save
 
         def fill_then_save(self, step, *args, **kwargs):
-            if step == 30:  # the disk fills up between two checkpoints
-                self.wait()  # (once step 25, written in the background, is complete)
+            if step == LAST + 10:  # the disk fills up between two checkpoints
+                self.wait()  # (once step LAST + 5, written in the background, is complete)
                 _fill(disk / "filler")
             return save(self, step, *args, **kwargs)
 
         monkeypatch.setattr(checkpoints.Checkpointer, "save", fill_then_save)
         # No metrics record between the two saves: the save is what meets the full disk.
-        config = tiny_config(tfds_dir, num_steps=30, checkpoint_every=5, log_every=100)
+        config = tiny_config(tfds_dir, num_steps=LAST + 10, checkpoint_every=5, log_every=100)
         with pytest.raises(checkpoint_format.CheckpointWriteError) as e:
             loop.train_and_evaluate(parse(config), workdir, log=quiet)
         assert "\n" not in str(e.value), str(e.value)
-        assert "checkpoint 30" in str(e.value) and "(step 25) is kept" in str(e.value)
+        assert f"checkpoint {LAST + 10}" in str(e.value)
+        assert f"(step {LAST + 5}) is kept" in str(e.value)
         assert "No space left on device" in str(e.value)
-        assert _steps(workdir) == [10, 20, 25]  # nothing half-written that a resume would pick
+        # The last 5 (train.keep_checkpoints); nothing half-written that a resume would pick.
+        assert _steps(workdir) == [LAST - 30, LAST - 20, LAST - 10, LAST, LAST + 5]
         os.remove(disk / "filler")
         _, state, _, _ = load_state.restore_trained(workdir)
-        assert int(state.step) == 25
+        assert int(state.step) == LAST + 5
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 

@@ -20,12 +20,11 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import ROOT
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from flaxformer_lite.cli import decode as decode_cli
-from flaxformer_lite.config.run import parse
 from flaxformer_lite.models import from_config
 from flaxformer_lite.training.workdir import RUN_CONFIG, WorkdirError, load_run_config
 from flaxformer_lite.translate import bucketing, line_io, runner
@@ -112,15 +111,10 @@ def is_utf8(line: bytes) -> bool:
 
 
 @pytest.fixture(scope="module")
-def workdir(tfds_dir, tmp_path_factory):
-    """A few training steps: decoding needs a checkpoint, not a good model. Two
-    checkpoints, so that averaging is a loading path too."""
-    from flaxformer_lite.training import loop
-
-    path = str(tmp_path_factory.mktemp("hostile") / "run")
-    config = tiny_config(tfds_dir, num_steps=4, checkpoint_every=2, num_examples_to_print=0)
-    loop.train_and_evaluate(parse(config), path, log=lambda s: None)
-    return path
+def workdir(trained_tiny):
+    """The shared tiny run (read, never written; tests that corrupt it copy it): decoding
+    needs a checkpoint, not a good model, and several, so that averaging is a loading path too."""
+    return trained_tiny
 
 
 @pytest.fixture(scope="module")

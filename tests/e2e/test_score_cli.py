@@ -6,9 +6,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import ROOT
 
-from flaxformer_lite.config.run import parse
 from flaxformer_lite.constants import EOS_ID
 from flaxformer_lite.models import from_config
 from flaxformer_lite.translate import line_io, scoring
@@ -30,12 +29,9 @@ def write(path, lines):
 
 
 @pytest.fixture(scope="module")
-def workdir(tfds_dir, tmp_path_factory):
-    from flaxformer_lite.training import loop
-
-    path = str(tmp_path_factory.mktemp("score") / "run")
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=60)), path, log=lambda s: None)
-    return path
+def workdir(trained_tiny):
+    """The shared tiny run, trained for 60 steps (read, never written)."""
+    return trained_tiny
 
 
 def test_pair_batches_share_shapes():

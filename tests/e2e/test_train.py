@@ -2,12 +2,13 @@
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import tiny_config
+from conftest import TRAINED_TINY_STEPS, tiny_config
 
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.training import checkpoint_format, checkpoints, load_state, loop
@@ -71,29 +72,27 @@ def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
         assert losses_b[step] == pytest.approx(losses_a[step], rel=1e-6)
 
 
-def test_checkpoints_store_the_data_iterator_state(tfds_dir, tmp_path):
+def test_checkpoints_store_the_data_iterator_state(trained_tiny, tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
-    quiet = lambda s: None  # noqa: E731
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=10)), workdir, log=quiet)
+    shutil.copytree(trained_tiny, workdir)
     ckpt = checkpoints.Checkpointer(workdir, keep=5, save_every=0)
-    data = ckpt.read_meta(10)["data"]
+    data = ckpt.read_meta(TRAINED_TINY_STEPS)["data"]
     ckpt.close()
-    assert data["next_batch"] == 10
+    assert data["next_batch"] == TRAINED_TINY_STEPS
     assert data["identity"]["train_examples"] == 160 and data["identity"]["batch_size"] == 16
     # Resuming with batches of another size is allowed, with a warning saying what changed.
     messages = []
-    loop.train_and_evaluate(
-        parse(tiny_config(tfds_dir, num_steps=12, batch_size=32)), workdir, log=messages.append
-    )
+    config = tiny_config(tfds_dir, num_steps=TRAINED_TINY_STEPS + 2, batch_size=32)
+    loop.train_and_evaluate(parse(config), workdir, log=messages.append)
     warnings = [m for m in messages if m.startswith("warning: the training data changed")]
     assert len(warnings) == 1 and "batch_size: 16 -> 32" in warnings[0], messages
 
 
-def test_workdir_with_other_model_is_refused_and_kept(tfds_dir, tmp_path):
+def test_workdir_with_other_model_is_refused_and_kept(trained_tiny, tfds_dir, tmp_path):
     workdir = str(tmp_path / "run")
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=10)), workdir, log=lambda s: None)
+    shutil.copytree(trained_tiny, workdir)
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
-    other = tiny_config(tfds_dir, num_steps=20)
+    other = tiny_config(tfds_dir, num_steps=TRAINED_TINY_STEPS + 10)
     other.model.d_ff = 128
     with pytest.raises(WorkdirError, match="d_ff"):
         loop.train_and_evaluate(parse(other), workdir, log=lambda s: None)
