@@ -17,10 +17,10 @@ import sys
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
 import pytest
 from conftest import ROOT, assert_params_close, tiny_config, without_compilation_cache
-from test_sharding import _train
 
 from flaxformer_lite import datasets
 from flaxformer_lite.config import ConfigError
@@ -28,7 +28,7 @@ from flaxformer_lite.config import run as run_config
 from flaxformer_lite.data import numbers, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.parallel import distributed
-from flaxformer_lite.training import checkpoint_format, load_state
+from flaxformer_lite.training import checkpoint_format, load_state, loop
 
 PROCESSES, LOCAL_DEVICES = 2, 2
 
@@ -74,8 +74,11 @@ def _free_port() -> int:
 
 def _launch(body: str, tmp_path, **fields) -> list[subprocess.Popen]:
     """Starts the processes of one job; their output goes to tmp_path/process_<i>.log."""
-    env = without_compilation_cache(dict(os.environ, JAX_PLATFORMS="cpu"))
-    env.pop("XLA_FLAGS", None)  # local_device_count sets the device count
+    # local_device_count sets the device count; the suite's other XLA flags are kept.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = without_compilation_cache(
+        dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+    )
     address = f"127.0.0.1:{_free_port()}"
     procs = []
     for index in range(PROCESSES):
@@ -133,6 +136,24 @@ def test_each_process_reads_its_rows_of_every_global_batch(repeat):
             )
 
 
+def _params(workdir: str) -> dict:
+    """The trained parameters restored from a workdir, by their key paths."""
+    _, state, _, _ = load_state.restore_trained(workdir)
+    return {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    }
+
+
+def _train_one_device(tfds_dir: str, workdir: str) -> dict:
+    """TRAIN's run in this test process, on its one device: the same config, data and
+    `train_and_evaluate`."""
+    assert jax.device_count() == 1, jax.devices()
+    config = run_config.parse(tiny_config(tfds_dir, num_steps=8, checkpoint_every=8))
+    loop.train_and_evaluate(config, workdir, log=lambda s: None)
+    return _params(workdir)
+
+
 @pytest.fixture(scope="module")
 def prepared_tfds(tfds_dir):
     """The tiny task prepared once here, so that the processes only read it."""
@@ -146,8 +167,8 @@ def test_two_processes_train_like_one(prepared_tfds, tmp_path):
     procs = _launch(TRAIN, tmp_path, tfds=prepared_tfds, workdir=workdir, out=out)
     try:
         # The 1-device reference shares the CPU with the job meanwhile; the 4-device
-        # single-process run is compared with 1 device in test_sharding.py.
-        one = _train(1, prepared_tfds, tmp_path)
+        # single-process steps are compared with 1 device in test_sharding.py.
+        one = _train_one_device(prepared_tfds, str(tmp_path / "run_1"))
         for index, p in enumerate(procs):
             code = p.wait(timeout=240)
             log = (tmp_path / f"process_{index}.log").read_text()
