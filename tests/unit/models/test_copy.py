@@ -46,9 +46,12 @@ def _model(**kw) -> AutoregressiveModel:
     return AutoregressiveModel(CFG, label_smoothing=0.1, copy=CopyHead(**kw))
 
 
+@functools.cache
 def _params(model, seed=0):
+    """`model`'s parameters, initialised once per (model, seed) (tests read them, never
+    write): a jitted init is one compile where the eager one dispatches each op."""
     shapes = {"inputs": INPUTS.shape, "targets": TARGETS.shape}
-    return meta.unbox(model.init(jax.random.PRNGKey(seed), shapes))
+    return meta.unbox(jax.jit(lambda key: model.init(key, shapes))(jax.random.PRNGKey(seed)))
 
 
 def _with_gate_bias(params, bias: float):
@@ -275,6 +278,7 @@ def test_cached_steps_equal_the_full_forward_pass():
     step, cache, first = predict.cached_step(
         model.module, params, jnp.asarray(INPUTS), max_len=TARGETS.shape[1], bos_id=BOS_ID
     )
+    step = jax.jit(step)  # one compile, where each eager step dispatches every op
     fed = np.asarray(shift_right(jnp.asarray(TARGETS), BOS_ID))  # extended ids are fed too
     assert np.array_equal(np.asarray(first), fed[:, 0])
     for t in range(TARGETS.shape[1]):

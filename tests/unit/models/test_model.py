@@ -29,8 +29,15 @@ SRC = jnp.array([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])  # row 0: 2 pad p
 TGT = jnp.array([[2, 4, 5, 0, 0], [2, 7, 8, 9, 10]])  # row 0: 2 pad positions
 
 
-def _init(cfg):
+def _init_params(cfg):
     return nn.meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), SRC, TGT)["params"])
+
+
+@functools.cache
+def _init(cfg):
+    """`cfg`'s parameters, initialised once per config (tests read them, never write):
+    a jitted init is one compile where the eager one dispatches each op."""
+    return jax.jit(_init_params, static_argnums=0)(cfg)
 
 
 def _with_pad_row(params, cfg, value):
@@ -261,7 +268,7 @@ def test_a_scanned_gradient_compiles_one_layer_body_and_stacks_no_weights():
 
     def lowered(n):
         cfg = TINY.replace(scan_layers=True, num_encoder_layers=n, num_decoder_layers=n)
-        params = jax.eval_shape(lambda: _init(cfg))
+        params = jax.eval_shape(lambda: _init_params(cfg))
         loss = lambda p: jnp.sum(Transformer(cfg).apply({"params": p}, SRC, TGT) ** 2)
         return jax.jit(jax.grad(loss)).lower(params).as_text()
 

@@ -36,10 +36,12 @@ SMALL = dict(num_encoder_layers=1, num_decoder_layers=1)
 
 @functools.cache
 def model_and_params(**kw):
-    """A one-layer model and its parameters (cached: tests share the compilations)."""
+    """A one-layer model and its parameters (cached: tests share the compilations; the
+    init jitted, one compile where an eager init dispatches each op)."""
     model = NonAutoregressiveModel(tiny_model_config(**SMALL), length_classes=16, **kw)
     shapes = {"inputs": SOURCES.shape, "targets": TARGETS.shape}
-    return model, nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes))
+    init = jax.jit(lambda key: model.init(key, shapes))
+    return model, nn.meta.unbox(init(jax.random.PRNGKey(0)))
 
 
 # The length classifier.

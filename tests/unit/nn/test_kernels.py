@@ -42,8 +42,10 @@ def _module_outputs(cfg, self_attention, x, y, mask, rows, *, platform, seed=0):
         out, _ = mha.apply({"params": params}, x, mask, deterministic=True, inputs_kv=y)
         return jnp.sum(out * cot), out
 
+    # Jitted (traced under the target): one compile where an eager pass dispatches each op.
     with kernels.target(platform, interpret=platform == "tpu"):
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        (_, out), grads = grad(params, x)
     return out, grads
 
 

@@ -1,6 +1,8 @@
 """Windowed self-attention: the blocked kernel against the dense core with a band mask, and the
 model with windows against the model without (equal when the window covers the sequence)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,7 +119,8 @@ def _batch(source_len=S, target_len=T):
 @pytest.fixture(scope="module")
 def params():
     inputs, targets = _batch()
-    return Transformer(FULL).init(jax.random.PRNGKey(0), inputs, targets)["params"]
+    # Jitted here and below: one compile where an eager call dispatches each op.
+    return jax.jit(Transformer(FULL).init)(jax.random.PRNGKey(0), inputs, targets)["params"]
 
 
 def _logits(config, params, inputs, targets, **kw):
@@ -176,7 +179,8 @@ def test_encoder_gradient_is_zero_outside_the_window(layers):
     feats = jnp.asarray(np.random.default_rng(1).normal(size=(1, length, 5)), jnp.float32)
     valid = jnp.ones((1, length), bool)
     model = Transformer(cfg)
-    p = model.init(jax.random.PRNGKey(1), feats, jnp.ones((1, 4), jnp.int32), source_valid=valid)
+    init = jax.jit(functools.partial(model.init, source_valid=valid))
+    p = init(jax.random.PRNGKey(1), feats, jnp.ones((1, 4), jnp.int32))
 
     probe = jnp.asarray(np.random.default_rng(3).normal(size=(16,)), jnp.float32)
 
@@ -233,7 +237,7 @@ def test_cached_greedy_equals_full_recompute_with_a_decoder_window(params):
     _, targets = _batch()
     full = _logits(cfg, params, inputs, targets)
     step, cache, _ = predict.cached_step(model, params, inputs, max_len=T, bos_id=BOS_ID)
-    stepped = []
+    step, stepped = jax.jit(step), []
     for t in range(T):
         logits, cache = step(targets[:, t : t + 1], cache)
         stepped.append(logits)
@@ -266,10 +270,15 @@ def test_captured_local_weights_equal_the_dense_band_reference(params, scan):
 
     got = {}
     for name, fn in (("local", local), ("dense", dense)):
-        logits, sown = Transformer(cfg, capture=names).apply(
-            {"params": params}, inputs, targets, method=fn, mutable=["intermediates"]
-        )
-        got[name] = logits, captured_attention(sown["intermediates"], names, cfg)
+
+        @jax.jit
+        def run(params, fn=fn):
+            logits, sown = Transformer(cfg, capture=names).apply(
+                {"params": params}, inputs, targets, method=fn, mutable=["intermediates"]
+            )
+            return logits, captured_attention(sown["intermediates"], names, cfg)
+
+        got[name] = run(params)
     np.testing.assert_allclose(got["local"][0], got["dense"][0], atol=2e-5)
     for name in names:
         assert got["local"][1][name].shape == got["dense"][1][name].shape
@@ -282,15 +291,16 @@ def test_attention_dropout_on_blocked_weights(params):
     inputs, targets = _batch()
     cfg = FULL.replace(encoder_window=2, decoder_window=2, attention_dropout_rate=0.3)
     model = Transformer(cfg)
-    det = model.apply({"params": params}, inputs, targets)
-    fast_model = Transformer(cfg.replace(attention_impl="fast"))
-    fast = fast_model.apply({"params": params}, inputs, targets)
+    det = _logits(cfg, params, inputs, targets)
+    fast = _logits(cfg.replace(attention_impl="fast"), params, inputs, targets)
     np.testing.assert_allclose(det, fast, atol=2e-5)
-    dropped = model.apply(
-        {"params": params},
-        inputs,
-        targets,
-        deterministic=False,
-        rngs={"dropout": jax.random.PRNGKey(3)},
-    )
+    dropped = jax.jit(
+        lambda p: model.apply(
+            {"params": p},
+            inputs,
+            targets,
+            deterministic=False,
+            rngs={"dropout": jax.random.PRNGKey(3)},
+        )
+    )(params)
     assert np.abs(np.asarray(dropped) - np.asarray(det)).max() > 1e-3

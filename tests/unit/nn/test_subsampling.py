@@ -47,7 +47,9 @@ def formula(length, layers, k):
 @pytest.fixture(scope="module")
 def model():
     m = AutoregressiveModel(config())
-    params = m.init(jax.random.PRNGKey(0), {"inputs": (3, S, F), "targets": (3, T)})
+    # Jitted: one compile where an eager init dispatches each op.
+    init = jax.jit(lambda key: m.init(key, {"inputs": (3, S, F), "targets": (3, T)}))
+    params = init(jax.random.PRNGKey(0))
     return m, params
 
 

@@ -138,17 +138,14 @@ def test_searches_and_scores_equal_the_unpadded_model(method):
 
 def test_the_copy_head_and_the_nat_model_are_unchanged_by_padding():
     rng = jax.random.PRNGKey(1)
-    for make in (
-        lambda cfg: AutoregressiveModel(cfg, label_smoothing=0.1, copy=CopyHead()),
-        lambda cfg: NonAutoregressiveModel(cfg, length_classes=16, label_smoothing=0.1),
-    ):
-        small_model, small, padded_model, padded = _pair(make)
+    copy = _pair(lambda cfg: AutoregressiveModel(cfg, label_smoothing=0.1, copy=CopyHead()))
+    nat = _pair(lambda cfg: NonAutoregressiveModel(cfg, length_classes=16, label_smoothing=0.1))
+    for small_model, small, padded_model, padded in (copy, nat):
         loss_a, _ = small_model.loss(small, BATCH, rng, 0)
         loss_b, _ = padded_model.loss(padded, BATCH, rng, 0)
         np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
-    copy_small, params_small, copy_padded, params_padded = _pair(
-        lambda cfg: AutoregressiveModel(cfg, copy=CopyHead())
-    )
+    # Label smoothing is the loss's alone: the same models search.
+    copy_small, params_small, copy_padded, params_padded = copy
     search = predict.SearchConfig("beam", max_len=6, beam_size=2)
     np.testing.assert_array_equal(
         copy_padded.predict(params_padded, BATCH, search)[0],
@@ -157,8 +154,8 @@ def test_the_copy_head_and_the_nat_model_are_unchanged_by_padding():
 
 
 def test_exports_see_the_real_vocabulary_only():
-    for fields in ({}, UNTIED):
-        _, small, padded_model, padded = _pair(AutoregressiveModel, **fields)
+    for untied in (False, True):  # the parameters of the tests above, initialised once
+        _, small, padded_model, padded = _autoregressive(untied)
         cfg = padded_model.config
         got = layout.model_layout(padded, cfg)
         want = layout.model_layout(small, cfg.replace(vocab_multiple=1))

@@ -40,7 +40,11 @@ def _batch(seed=0, rows=8):
 
 @functools.cache
 def _params():
-    return AutoregressiveModel(CFG).init(KEY, {"inputs": (2, 9), "targets": (2, 7)})
+    # Jitted: one compile where an eager init dispatches each op.
+    init = jax.jit(
+        lambda key: AutoregressiveModel(CFG).init(key, {"inputs": (2, 9), "targets": (2, 7)})
+    )
+    return init(KEY)
 
 
 def _loss(model, batch, step=0, rng=KEY):

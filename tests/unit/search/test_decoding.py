@@ -22,9 +22,34 @@ SRC = jnp.array([[5, 6, 7, 8, 0, 0, 0], [9, 10, 11, 12, 13, 14, 15], [16, 0, 0, 
 TGT = jnp.array([[BOS, 4, 5, 6, 7, 8], [BOS, 7, 8, 9, 10, 11], [BOS, 20, 21, 22, 23, 24]])
 
 
+@functools.cache
 def _params(cfg):
-    init = Transformer(cfg).init(jax.random.PRNGKey(1), SRC, TGT)
+    """The parameters of `cfg`'s model, initialised once per config (every test reads them
+    only; a jitted init is one compile where the eager one dispatches each op)."""
+    init = jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(1), SRC, TGT)
     return nn.meta.unbox(init["params"])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _full_and_cached(model, params, prefix_len):
+    """The teacher-forced logits [B, T, V] and, in the same program, the logits of every
+    cached step from position `prefix_len` on (the forced prefix TGT[:, 1:prefix_len + 1]
+    written into the cache at once; none for 0), the first tokens, and the cache index after
+    the fill and after the last step."""
+    full = model.apply({"params": params}, SRC, TGT)  # [B, T, V]
+    prefix = TGT[:, 1 : prefix_len + 1] if prefix_len else None
+    max_len = TGT.shape[1] - prefix_len
+    step, cache, first = predict.cached_step(
+        model, params, SRC, max_len=max_len, prefix=prefix, bos_id=BOS
+    )
+    filled = cache["index"]
+
+    def body(cache, tokens):  # tokens int32[B]: one step's body, compiled once
+        logits, cache = step(tokens[:, None], cache)
+        return cache, logits
+
+    cache, steps = jax.lax.scan(body, cache, TGT[:, prefix_len:].T)  # steps [T', B, V]
+    return full, steps.swapaxes(0, 1), first, (filled, cache["index"])
 
 
 # ----------------------------------------------------------------------------
@@ -37,30 +62,20 @@ def _params(cfg):
 )
 def test_cached_steps_equal_full_forward(changes):
     cfg = TINY.replace(**changes)
-    model, params = Transformer(cfg), _params(cfg)
-    full = model.apply({"params": params}, SRC, TGT)  # [B, T, V]
-    step, cache, first = predict.cached_step(model, params, SRC, max_len=6, bos_id=BOS)
+    full, steps, first, (_, index) = _full_and_cached(Transformer(cfg), _params(cfg), 0)
     np.testing.assert_array_equal(first, [BOS] * 3)
-    step = jax.jit(step)
     for t in range(TGT.shape[1]):
-        logits, cache = step(TGT[:, t : t + 1], cache)
-        np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
-    assert int(cache["index"]) == 6
+        np.testing.assert_allclose(steps[:, t], full[:, t], atol=1e-5, rtol=1e-5)
+    assert int(index) == 6
 
 
 def test_prefix_filled_in_one_call_equals_full_forward():
-    model, params = Transformer(TINY), _params(TINY)
-    full = model.apply({"params": params}, SRC, TGT)
-    prefix = TGT[:, 1:4]  # three forced target tokens
-    step, cache, first = predict.cached_step(
-        model, params, SRC, max_len=3, prefix=prefix, bos_id=BOS
-    )
-    assert int(cache["index"]) == 3  # BOS + prefix[:-1] written at once
-    np.testing.assert_array_equal(first, prefix[:, -1])
-    logits, cache = step(first[:, None], cache)
-    np.testing.assert_allclose(logits, full[:, 3], atol=1e-5, rtol=1e-5)
-    logits, _ = step(TGT[:, 4:5], cache)
-    np.testing.assert_allclose(logits, full[:, 4], atol=1e-5, rtol=1e-5)
+    # Three forced target tokens TGT[:, 1:4]: the first step feeds prefix[-1] = TGT[:, 3].
+    full, steps, first, (filled, _) = _full_and_cached(Transformer(TINY), _params(TINY), 3)
+    assert int(filled) == 3  # BOS + prefix[:-1] written at once
+    np.testing.assert_array_equal(first, TGT[:, 3])
+    for i, t in enumerate(range(3, TGT.shape[1])):
+        np.testing.assert_allclose(steps[:, i], full[:, t], atol=1e-5, rtol=1e-5)
 
 
 MIN_LEN = 3  # a random model may end at once; forbid EOS so the compared outputs are sequences
