@@ -5,7 +5,7 @@ espeak-ng`): about 2300 training utterances (420 numbers, 20 of them held out fo
 20 for test, never heard in training), each in a voice, rate, pitch and noise level of its own.
 The encoder reads 80 log-mel channels per 10 ms frame (`model.input_features`); utterances run
 to about 2.8 s, hence `data.max_source_len=320` frames. Shrink it from the command line, e.g.
-`--config.data.speech_numbers=40 --config.data.speech_utterances_per_number=1`.
+`--config.data.spoken_numbers.numbers=40 --config.data.spoken_numbers.utterances_per_number=1`.
 """
 
 import ml_collections
@@ -21,16 +21,17 @@ def get_config() -> ml_collections.ConfigDict:
     m.num_encoder_layers = m.num_decoder_layers = 2  # depth
     m.norm = "pre"  # pre-LN: steadier on long frame sequences
     m.share_embeddings = False  # the encoder reads frames, not the target vocabulary
-    m.input_features = 80  # = data.num_mels
+    m.input_features = 80  # = data.spoken_numbers.num_mels
     m.subsampling_layers = 2  # two stride-2 convs: 4x fewer encoder positions (40 ms each)
     d.dataset = "spoken_numbers"  # flaxformer_lite/data/spoken_numbers.py
-    d.speech_languages = ("en",)  # espeak-ng voices (en, de, fr)
-    d.speech_max_number = 999  # numbers 0..999
-    d.speech_numbers = 400  # drawn from 20..999, plus 0..19 always in train
-    d.speech_always_train_below = 20  # the words no model can infer (thirteen) stay in train
-    d.speech_utterances_per_number = 6  # training utterances per number
-    d.speech_target = "words"  # words | digits
-    d.num_mels = 80  # log-mel channels per frame
+    s = d.spoken_numbers
+    s.languages = ("en",)  # espeak-ng voices (en, de, fr)
+    s.max_number = 999  # numbers 0..999
+    s.numbers = 400  # drawn from 20..999, plus 0..19 always in train
+    s.always_train_below = 20  # the words no model can infer (thirteen) stay in train
+    s.utterances_per_number = 6  # training utterances per number
+    s.target = "words"  # words | digits
+    s.num_mels = 80  # log-mel channels per frame
     d.valid_fraction = d.test_fraction = 0.05  # 20 + 20 held-out numbers
     d.vocab_size = 64  # SentencePiece pieces of the transcripts
     d.max_source_len = 320  # frames (3.2 s)

@@ -1,12 +1,12 @@
 """The configuration reference of docs/configuration.md, generated from the dataclasses.
 
 Every run-config section is a frozen dataclass (sections.py, variants.py; the `model`
-section is `TransformerConfig`, model.py). This module renders one table per section
-from them: each field's name, type, the value `configs/default.py` gives it, the
-dataclass default where that differs, what the field's check accepts (the check's own
-error line, asked with a value no check accepts) and the comments written beside the
-field in the source. The page cannot drift from the code: a test compares it with this
-output.
+section is `TransformerConfig`, model.py; the datasets' sections nested in `data`,
+dataset_options.py). This module renders one table per section from them: each field's
+name, type, the value `configs/default.py` gives it, the dataclass default where that
+differs, what the field's check accepts (the check's own error line, asked with a value
+no check accepts) and the comments written beside the field in the source. The page
+cannot drift from the code: a test compares it with this output.
 
     python -m flaxformer_lite.config.reference            # prints the reference
     python -m flaxformer_lite.config.reference --write    # rewrites it in docs/configuration.md
@@ -32,10 +32,11 @@ DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def sections() -> list[tuple[str, type, bool]]:
-    """(section name, its dataclass, whether a run config must have it)."""
+    """(section name, its dataclass, whether a run config must have it); a nested section
+    (`data.tsv`) follows the section it is in."""
     from flaxformer_lite.config import model, sections, variants
 
-    return [
+    top = [
         ("model", model.TransformerConfig, True),
         ("data", sections.DataConfig, True),
         ("optim", sections.OptimConfig, True),
@@ -46,6 +47,13 @@ def sections() -> list[tuple[str, type, bool]]:
         ("copy", variants.CopyHead, False),
         ("guided_attention", variants.GuidedAttention, False),
     ]
+    out = []
+    for name, cls, required in top:
+        out.append((name, cls, required))
+        for f in dataclasses.fields(cls):
+            if "section" in f.metadata:
+                out.append((f"{name}.{f.name}", f.metadata["section"], False))
+    return out
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -142,7 +150,9 @@ def reference() -> str:
         parts.append(f"### `{name}` ({need})\n\n{first}\n")
         parts.append("| field | type | default.py | dataclass default | accepts | notes |")
         parts.append("|---|---|---|---|---|---|")
-        given = default.get(name, {}) or {}
+        given = default
+        for key in name.split("."):
+            given = given.get(key, {}) or {}
         notes = field_comments(cls)
         parts += [_row(name, f, given, notes.get(f.name, "")) for f in dataclasses.fields(cls)]
         parts.append("")
@@ -152,6 +162,12 @@ def reference() -> str:
 def _row(name: str, f: dataclasses.Field, given: Mapping, note: str) -> str:
     """The table row of field `f` of section `name`: `given` is the section as
     configs/default.py gives it, `note` the field's comments."""
+    if "section" in f.metadata:  # a nested section: its own table follows
+        nested = f"{name}.{f.name}"
+        return (
+            f"| `{f.name}` | `{f.metadata['section'].__name__}` |  |  | a section | "
+            f"{_cell(note or f'the options of data.dataset={f.name}: the section `{nested}`')} |"
+        )
     ours = _default(f)
     in_default = f.name in given
     shown = _shown(given[f.name]) if in_default else ""

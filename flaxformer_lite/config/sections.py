@@ -3,7 +3,8 @@
 Each section is a frozen dataclass whose fields carry their checks (`fields.py`):
 `run.parse` builds them from a run config, and the defaults here are the only ones
 (configs/*.py set only what differs). The `model` section is `TransformerConfig`
-(model.py); the optional variant sections are variants.py.
+(model.py); each dataset's section nested in `data` is dataset_options.py; the optional
+variant sections are variants.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from flaxformer_lite.config.dataset_options import (
+    Names,
+    NumberWords,
+    ParallelText,
+    SpokenNumbers,
+    Tsv,
+)
+from flaxformer_lite.config.errors import ConfigError
 from flaxformer_lite.config.fields import (
     FRACTION,
     NON_NEGATIVE,
@@ -20,9 +29,10 @@ from flaxformer_lite.config.fields import (
     int_at_least,
     number,
     one_of,
+    section,
     split_name_map,
     string,
-    strings,
+    subsection,
 )
 
 BATCHINGS = ("fixed", "bucket", "pack")
@@ -47,47 +57,22 @@ VOCAB_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """`data`: which dataset, its vocabulary and how it is batched."""
+    """`data`: which dataset and its options, its vocabulary and how it is batched.
+
+    Each dataset's own options are a section nested here under its name (dataset_options.py,
+    e.g. `data.tsv.path`); the fields here are read by every dataset, or by several.
+    """
 
     # number_words | names | spoken_numbers | parallel_text | tsv | a TFDS catalog name such
     # as "wmt14_translate/de-en" (flaxformer_lite/datasets.py)
     dataset: str = field("number_words", string)
     # where TFDS prepares data; "": $TFDS_DATA_DIR, else ~/tensorflow_datasets
     tfds_dir: str = field("", string)
-    # number_words: which numbers in which languages (data/numbers.py).
-    languages: tuple[str, ...] = field(("en", "de", "fr"), strings)  # num2words language codes
-    max_number: int = field(9999, NON_NEGATIVE)  # numbers 0..max_number in every language
-    # never held out: below 100 are the irregular words (zwölf, douze)
-    always_train_below: int = field(100, NON_NEGATIVE)
-    # repeat rarer shapes (digits, non-zero digits): 12 22x, 9700 10x
-    shape_balance: float = field(0.7, number(0.0, 1.0, high_open=False))
-    num_numbers: int = field(0, NON_NEGATIVE)  # > 0: only this many per language; 0: all
     # the seed of the train/validation/test assignment of number_words, spoken_numbers (by
     # number) and tsv, and of the names drawn by names (not of training: train.seed)
     seed: int = field(0, NON_NEGATIVE)
     valid_fraction: float = field(0.05, FRACTION)  # share of pairs held out for validation
     test_fraction: float = field(0.05, FRACTION)  # share held out for the final test
-    names_train: int = field(20_000, POSITIVE)  # names: training examples
-    names_valid: int = field(500, NON_NEGATIVE)  # names: validation examples
-    names_test: int = field(1_000, NON_NEGATIVE)  # names: test examples
-    # spoken_numbers: espeak-ng voices that num2words spells (data/spoken_numbers.py)
-    speech_languages: tuple[str, ...] = field(("en",), strings)
-    speech_max_number: int = field(999, NON_NEGATIVE)  # spoken_numbers: numbers 0..max
-    # spoken_numbers: > 0: only this many numbers >= speech_always_train_below; 0: all
-    speech_numbers: int = field(0, NON_NEGATIVE)
-    # spoken_numbers: never held out (thirteen, douze)
-    speech_always_train_below: int = field(20, NON_NEGATIVE)
-    # spoken_numbers: training utterances per number and language
-    speech_utterances_per_number: int = field(4, POSITIVE)
-    # spoken_numbers: words (as spoken) | digits ("4630")
-    speech_target: str = field("words", one_of("words", "digits"))
-    # spoken_numbers: log-mel channels per 10 ms frame (= model.input_features)
-    num_mels: int = field(80, POSITIVE)
-    # spoken_numbers: espeak (pip install '.[speech]') | tones (a test stand-in)
-    speech_synthesizer: str = field("espeak", one_of("espeak", "tones"))
-    # parallel_text: {split}.{lang} files here; a relative path is read from the working
-    # directory
-    corpus_dir: str = field("", string)
     # parallel_text and TFDS catalog datasets: the file suffix or catalog feature of the
     # source, e.g. "en"
     source_lang: str = field("", string)
@@ -95,9 +80,11 @@ class DataConfig:
     # parallel_text, tsv and catalog: the corpus's names for our splits, e.g. {"validation":
     # "val"}; a split not named here is looked up under its own name.
     split_names: Mapping[str, str] = field(None, split_name_map, default_factory=dict)
-    tsv_path: str = field("", string)  # tsv: a file of tab-separated pairs, split by the seed
-    source_column: int = field(0, NON_NEGATIVE)  # tsv: 0-based column of the source sentence
-    target_column: int = field(1, NON_NEGATIVE)  # tsv: 0-based column of the target sentence
+    number_words: NumberWords = subsection(NumberWords)
+    names: Names = subsection(Names)
+    spoken_numbers: SpokenNumbers = subsection(SpokenNumbers)
+    parallel_text: ParallelText = subsection(ParallelText)
+    tsv: Tsv = subsection(Tsv)
     # SentencePiece vocabulary size (the shared, or the source, one)
     vocab_size: int = field(256, int_at_least(2))
     shared_vocab: bool = field(True, boolean)  # one vocabulary for both sides; False: one per side
@@ -111,6 +98,58 @@ class DataConfig:
     batching: str = field("fixed", one_of(*BATCHINGS))
     # bucket: tokens per batch instead of train.batch_size rows (0: rows)
     max_tokens: int = field(0, NON_NEGATIVE)
+
+
+# Where the `data` fields of earlier versions live now: run_config.json files saved before
+# each dataset had its own section are read through this (`moved_data_fields`).
+MOVED_DATA_FIELDS = {
+    "languages": "number_words.languages",
+    "max_number": "number_words.max_number",
+    "always_train_below": "number_words.always_train_below",
+    "shape_balance": "number_words.shape_balance",
+    "num_numbers": "number_words.num_numbers",
+    "names_train": "names.train",
+    "names_valid": "names.valid",
+    "names_test": "names.test",
+    "speech_languages": "spoken_numbers.languages",
+    "speech_max_number": "spoken_numbers.max_number",
+    "speech_numbers": "spoken_numbers.numbers",
+    "speech_always_train_below": "spoken_numbers.always_train_below",
+    "speech_utterances_per_number": "spoken_numbers.utterances_per_number",
+    "speech_target": "spoken_numbers.target",
+    "num_mels": "spoken_numbers.num_mels",
+    "speech_synthesizer": "spoken_numbers.synthesizer",
+    "corpus_dir": "parallel_text.corpus_dir",
+    "tsv_path": "tsv.path",
+    "source_column": "tsv.source_column",
+    "target_column": "tsv.target_column",
+}
+
+
+def data_section(values: Mapping) -> DataConfig:
+    """The `data` section of a run config, checked; a field of an earlier version that moved
+    into its dataset's section is refused with where it went."""
+    moved = [name for name in values if name in MOVED_DATA_FIELDS]
+    if moved:
+        raise ConfigError(
+            f"data.{moved[0]} is now data.{MOVED_DATA_FIELDS[moved[0]]}: set "
+            f"--config.data.{MOVED_DATA_FIELDS[moved[0]]}"
+        )
+    return section(DataConfig, "data", values)
+
+
+def moved_data_fields(values: Mapping) -> dict:
+    """A saved `data` section with the flat fields of earlier versions moved into their
+    dataset's section (`MOVED_DATA_FIELDS`); a section already nested is kept as it is."""
+    out = {k: v for k, v in values.items() if k not in MOVED_DATA_FIELDS}
+    for old, new in MOVED_DATA_FIELDS.items():
+        if old in values:
+            name, key = new.split(".")
+            nested = out[name] = dict(out.get(name) or {})
+            if key in nested:
+                raise ConfigError(f"the saved data section has both data.{old} and data.{new}")
+            nested[key] = values[old]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

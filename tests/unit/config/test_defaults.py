@@ -32,6 +32,7 @@ def test_every_field_of_a_base_section_is_in_the_base_config():
         if f.name in defaults.BASE_SECTIONS:
             section = getattr(parse(config), f.name)
             assert set(config[f.name]) == {g.name for g in dataclasses.fields(section)}, f.name
+    assert set(config.data.tsv) == {"path", "source_column", "target_column"}
 
 
 def test_configs_default_sets_only_what_differs_from_the_dataclasses():
@@ -83,15 +84,15 @@ def test_flags_set_fields_of_every_kind():
         [
             "--config.model.d_kv=32",
             "--config.model.target_vocab_size=300",
-            "--config.data.tsv_path=pairs.tsv",
-            "--config.data.speech_languages=('en', 'de')",
+            "--config.data.tsv.path=pairs.tsv",
+            "--config.data.spoken_numbers.languages=('en', 'de')",
             "--config.data.split_names={'validation': 'dev'}",
             "--config.train.hang_factor=3",
         ]
     )
     assert config.model.d_kv == 32 and config.model.target_vocab_size == 300
-    assert config.data.tsv_path == "pairs.tsv"
-    assert config.data.speech_languages == ("en", "de")
+    assert config.data.tsv.path == "pairs.tsv"
+    assert config.data.spoken_numbers.languages == ("en", "de")
     assert config.data.split_names.to_dict() == {"validation": "dev"}
     assert config.train.hang_factor == 3.0 and isinstance(config.train.hang_factor, float)
     assert _parse_flags([]).model.d_kv is None
