@@ -11,6 +11,7 @@ to about 2.8 s, hence `data.max_source_len=320` frames. Shrink it from the comma
 import ml_collections
 
 from configs import default
+from flaxformer_lite.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -43,9 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
     t.eval_batch_size = 32
     t.best_metric = "wer"  # checkpoints ranked by validation word error rate
     t.exposure_report = False
-    g = config.guided_attention = ml_collections.ConfigDict()  # objectives/guided_attention.py
-    g.weight = 0.0  # > 0 adds weight * mean(A * W) of the guided layers/heads to the loss
-    g.sigma = 0.4  # width of the diagonal band (ESPnet's 0.4; Tachibana et al. use 0.2)
-    g.layers = (-2, -1)  # decoder layers whose cross-attention is guided
-    g.heads = (0, 1)  # their guided heads; () = all
+    # objectives/guided_attention.py, off (weight 0): --config.guided_attention.weight=10
+    # adds 10 * mean(A * W) of the guided layers and heads to the loss
+    config.guided_attention = defaults.section_config("guided_attention")
     return config
