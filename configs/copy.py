@@ -8,13 +8,13 @@ P_copy), and source pieces the vocabulary cannot spell get extended ids.
 
 import ml_collections
 
+from flaxformer_lite.config import defaults
+
 
 def copy_section(layer: int = -1, heads: tuple[int, ...] = ()) -> ml_collections.ConfigDict:
-    """The `copy` section: which decoder layer's cross-attention is copied, and its heads."""
-    c = ml_collections.ConfigDict()
-    c.layer = layer  # decoder layer whose cross-attention is the copy distribution (-1: last)
-    c.heads = heads  # heads averaged into it; () = all of them
-    return c
+    """The `copy` section (config/variants.CopyHead): the decoder layer whose cross-attention
+    is the copy distribution (-1: the last) and the heads averaged into it ((): all)."""
+    return defaults.section_config("copy", layer=layer, heads=heads)
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -1,6 +1,6 @@
 """Multi30k (task 1) English->German: a small Transformer for 29k sentence pairs.
 
-The corpus is read from data.corpus_dir ({split}.{lang} files; in this
+The corpus is read from data.parallel_text.corpus_dir ({split}.{lang} files; in this
 environment ../shared/data/multi30k seen from the repository root). A model
 smaller than the paper's base fits 29k pairs better; evaluation decodes with
 beam search and reports sacreBLEU and chrF on val and test_2016_flickr.
@@ -27,8 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
     m.max_len = 128  # table size for learned positions (unused with sinusoids)
 
     d = config.data
-    d.dataset = "parallel_text"  # {split}.{lang} files in corpus_dir
-    d.corpus_dir = "../shared/data/multi30k"  # relative to the working directory
+    d.dataset = "parallel_text"  # {split}.{lang} files in parallel_text.corpus_dir
+    d.parallel_text.corpus_dir = "../shared/data/multi30k"  # relative to the working directory
     d.source_lang = "en"  # source language (file suffix)
     d.target_lang = "de"  # target language (file suffix)
     d.split_names = {"validation": "val", "test": "test_2016_flickr"}  # corpus split names

@@ -6,11 +6,11 @@ training sources with the teacher's beam outputs as targets; validation and
 test keep their gold references):
 
   python train.py --config configs/multi30k_ende.py --workdir workdirs/multi30k_ende \
-      --config.data.corpus_dir=<multi30k>
+      --config.data.parallel_text.corpus_dir=<multi30k>
   python distill.py --workdir workdirs/multi30k_ende --output_dir data/multi30k_ende_distilled
   python train.py --config configs/multi30k_ende_nat_distilled.py --workdir workdirs/nat_kd
 
-data.corpus_dir is relative to the working directory, as distill.py's
+data.parallel_text.corpus_dir is relative to the working directory, as distill.py's
 --output_dir above.
 """
 
@@ -22,6 +22,6 @@ from configs import multi30k_ende_nat
 def get_config() -> ml_collections.ConfigDict:
     config = multi30k_ende_nat.get_config()
     d = config.data
-    d.corpus_dir = "data/multi30k_ende_distilled"  # distill.py --output_dir
+    d.parallel_text.corpus_dir = "data/multi30k_ende_distilled"  # distill.py --output_dir
     d.split_names = {"validation": "val", "test": "test"}  # the names distill.py writes
     return config

@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.num_encoder_layers = m.num_decoder_layers = 2  # depth
     m.dropout_rate = 0.0  # names are unlimited: no example is seen twice to overfit
     d.dataset = "names"
-    d.names_train, d.names_valid, d.names_test = 20_000, 500, 1_000  # examples per split
+    d.names.train, d.names.valid, d.names.test = 20_000, 500, 1_000  # examples per split
     d.seed = 0  # seed of the generated names and templates
     d.vocab_size = 256  # shared SentencePiece pieces: template words, syllables, digits
     d.max_source_len = d.max_target_len = 32  # the longest pairs are 23 pieces with EOS

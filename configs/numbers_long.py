@@ -18,10 +18,11 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_model, m.num_heads, m.d_ff = 128, 4, 512  # width, heads, feed-forward size
     m.num_encoder_layers = m.num_decoder_layers = 2  # depth
     m.dropout_rate = 0.1  # P_drop
-    d.languages = ("en",)  # English: a piece per word, ~25 pieces at 9 digits
-    d.max_number = 999_999_999  # numbers below 10^9
-    d.num_numbers = 20_000  # drawn uniformly: 18,000 train, 1,000 validation, 1,000 test
-    d.always_train_below, d.shape_balance = 0, 0.0  # every drawn number may be held out
+    n = d.number_words
+    n.languages = ("en",)  # English: a piece per word, ~25 pieces at 9 digits
+    n.max_number = 999_999_999  # numbers below 10^9
+    n.num_numbers = 20_000  # drawn uniformly: 18,000 train, 1,000 validation, 1,000 test
+    n.always_train_below, n.shape_balance = 0, 0.0  # every drawn number may be held out
     d.valid_fraction = d.test_fraction = 0.05
     d.vocab_size = 256  # SentencePiece pieces
     d.max_source_len = 14  # "de" + up to 9 digits + EOS

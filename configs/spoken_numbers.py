@@ -5,12 +5,13 @@ espeak-ng`): about 2300 training utterances (420 numbers, 20 of them held out fo
 20 for test, never heard in training), each in a voice, rate, pitch and noise level of its own.
 The encoder reads 80 log-mel channels per 10 ms frame (`model.input_features`); utterances run
 to about 2.8 s, hence `data.max_source_len=320` frames. Shrink it from the command line, e.g.
-`--config.data.speech_numbers=40 --config.data.speech_utterances_per_number=1`.
+`--config.data.spoken_numbers.numbers=40 --config.data.spoken_numbers.utterances_per_number=1`.
 """
 
 import ml_collections
 
 from configs import default
+from flaxformer_lite.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -21,16 +22,17 @@ def get_config() -> ml_collections.ConfigDict:
     m.num_encoder_layers = m.num_decoder_layers = 2  # depth
     m.norm = "pre"  # pre-LN: steadier on long frame sequences
     m.share_embeddings = False  # the encoder reads frames, not the target vocabulary
-    m.input_features = 80  # = data.num_mels
+    m.input_features = 80  # = data.spoken_numbers.num_mels
     m.subsampling_layers = 2  # two stride-2 convs: 4x fewer encoder positions (40 ms each)
     d.dataset = "spoken_numbers"  # flaxformer_lite/data/spoken_numbers.py
-    d.speech_languages = ("en",)  # espeak-ng voices (en, de, fr)
-    d.speech_max_number = 999  # numbers 0..999
-    d.speech_numbers = 400  # drawn from 20..999, plus 0..19 always in train
-    d.speech_always_train_below = 20  # the words no model can infer (thirteen) stay in train
-    d.speech_utterances_per_number = 6  # training utterances per number
-    d.speech_target = "words"  # words | digits
-    d.num_mels = 80  # log-mel channels per frame
+    s = d.spoken_numbers
+    s.languages = ("en",)  # espeak-ng voices (en, de, fr)
+    s.max_number = 999  # numbers 0..999
+    s.numbers = 400  # drawn from 20..999, plus 0..19 always in train
+    s.always_train_below = 20  # the words no model can infer (thirteen) stay in train
+    s.utterances_per_number = 6  # training utterances per number
+    s.target = "words"  # words | digits
+    s.num_mels = 80  # log-mel channels per frame
     d.valid_fraction = d.test_fraction = 0.05  # 20 + 20 held-out numbers
     d.vocab_size = 64  # SentencePiece pieces of the transcripts
     d.max_source_len = 320  # frames (3.2 s)
@@ -42,9 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
     t.eval_batch_size = 32
     t.best_metric = "wer"  # checkpoints ranked by validation word error rate
     t.exposure_report = False
-    g = config.guided_attention = ml_collections.ConfigDict()  # objectives/guided_attention.py
-    g.weight = 0.0  # > 0 adds weight * mean(A * W) of the guided layers/heads to the loss
-    g.sigma = 0.4  # width of the diagonal band (ESPnet's 0.4; Tachibana et al. use 0.2)
-    g.layers = (-2, -1)  # decoder layers whose cross-attention is guided
-    g.heads = (0, 1)  # their guided heads; () = all
+    # objectives/guided_attention.py, off (weight 0): --config.guided_attention.weight=10
+    # adds 10 * mean(A * W) of the guided layers and heads to the loss
+    config.guided_attention = defaults.section_config("guided_attention")
     return config

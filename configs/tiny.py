@@ -11,9 +11,10 @@ def get_config() -> ml_collections.ConfigDict:
     m.d_model, m.num_heads, m.d_ff = 32, 2, 64  # width, heads, feed-forward size
     m.num_encoder_layers = m.num_decoder_layers = 1  # depth
     m.dropout_rate = 0.0  # no regularisation needed for a smoke run
-    d.languages = ("en", "de")  # two languages
-    d.max_number = 99  # numbers 0..99
-    d.always_train_below, d.shape_balance = 0, 0.0  # any number may be held out; each seen once
+    n = d.number_words
+    n.languages = ("en", "de")  # two languages
+    n.max_number = 99  # numbers 0..99
+    n.always_train_below, n.shape_balance = 0, 0.0  # any number may be held out; each seen once
     d.valid_fraction = d.test_fraction = 0.1  # 20 + 20 held-out pairs
     d.vocab_size = 64  # SentencePiece pieces
     o.schedule, o.learning_rate, o.warmup_steps = "constant", 3e-3, 10  # fast warm-up

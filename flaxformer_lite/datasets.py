@@ -1,15 +1,19 @@
-"""The datasets a run config can name: one registry entry each, with the `data` fields it
-reads, its check and its loader, opened as train / validation / test splits.
+"""The datasets a run config can name: one registry entry each, with its options section,
+the shared `data` fields it reads, its check and its loader, opened as train / validation
+/ test splits.
 
-  number_words    the generated default task (data.languages, data.max_number, ...)
-  names           the generated name-copy task (data.names_train, names_valid, names_test)
-  spoken_numbers  numbers spoken by espeak-ng -> words or digits (data.speech_*, num_mels)
-  parallel_text   {split}.{lang} files in data.corpus_dir
-  tsv             a tab-separated pairs file data.tsv_path, seeded split
+  number_words    the generated default task (data.number_words.languages, max_number, ...)
+  names           the generated name-copy task (data.names.train, valid, test)
+  spoken_numbers  numbers spoken by espeak-ng -> words or digits (data.spoken_numbers.*)
+  parallel_text   {split}.{lang} files in data.parallel_text.corpus_dir
+  tsv             a tab-separated pairs file data.tsv.path, seeded split
   anything else   a TFDS catalog name such as "wmt14_translate/de-en" (`CATALOG`)
 
-`check` runs when a run config is parsed, before any data is read; `load_splits` opens
-the splits. A new dataset is one more `Dataset` in `DATASETS`.
+A dataset's options section is nested in `data` under the dataset's name (its dataclass
+is in config/dataset_options.py). `check` runs when a run config is parsed, before any
+data is read; `load_splits` opens the splits. A new dataset is one more `Dataset` in
+`DATASETS`, and, when it has options, one more section in config/dataset_options.py and
+`DataConfig`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config import ConfigError, dataset_options
 
 if TYPE_CHECKING:
     from flaxformer_lite.config.sections import DataConfig
@@ -34,13 +38,16 @@ Splits = dict[str, Any]
 class Dataset:
     """A dataset a run config can name in data.dataset.
 
-    fields: the `data` fields of its own that it reads (besides those every dataset
-      reads: the vocabulary, lengths, batching and tfds_dir).
+    options: the dataclass of its own options, the section `data.<its name>` (None: it
+      has none).
+    fields: the shared `data` fields it reads (besides those every dataset reads: the
+      vocabulary, lengths, batching and tfds_dir).
     check: raises ConfigError, naming the field, for settings it cannot load.
     load: (data, log) -> its splits, keyed by our split names.
     features: its examples carry encoder "features" (speech) instead of source text.
     """
 
+    options: type | None
     fields: tuple[str, ...]
     check: Callable[[DataConfig], None]
     load: Callable[[DataConfig, Log], Splits]
@@ -49,7 +56,7 @@ class Dataset:
 
 def load_splits(data: DataConfig) -> Splits:
     """Dataset splits as random-access sources of {"source": bytes, "target": bytes}; a speech
-    dataset's examples hold {"features": float32[K, data.num_mels]} as well (see `has_features`).
+    dataset's examples hold {"features": float32[K, num_mels]} as well (see `has_features`).
 
     Keys: "train", "validation" and, when the dataset has one, "test".
     """
@@ -116,41 +123,43 @@ def _check_held_out(d: DataConfig) -> None:
 def _check_number_words(d: DataConfig) -> None:
     from num2words import CONVERTER_CLASSES
 
+    n = d.number_words
     _num2words_languages(
-        "languages", d.languages, "choose from " + ", ".join(sorted(CONVERTER_CLASSES))
+        "number_words.languages", n.languages, "choose from " + ", ".join(sorted(CONVERTER_CLASSES))
     )
-    if d.always_train_below > d.max_number and d.valid_fraction + d.test_fraction > 0:
+    if n.always_train_below > n.max_number and d.valid_fraction + d.test_fraction > 0:
         raise ConfigError(
-            f"data.always_train_below={d.always_train_below} keeps every number up to "
-            f"data.max_number={d.max_number} in train, leaving none to hold out: lower it "
-            "(0: any number may be held out)"
+            f"data.number_words.always_train_below={n.always_train_below} keeps every number up "
+            f"to data.number_words.max_number={n.max_number} in train, leaving none to hold out: "
+            "lower it (0: any number may be held out)"
         )
-    if d.num_numbers > d.max_number + 1 - min(d.always_train_below, d.max_number + 1):
+    if n.num_numbers > n.max_number + 1 - min(n.always_train_below, n.max_number + 1):
         raise ConfigError(
-            f"data.num_numbers={d.num_numbers} is more than there are numbers from "
-            f"data.always_train_below={d.always_train_below} to data.max_number={d.max_number}:"
-            " lower it, or 0 for all of them"
+            f"data.number_words.num_numbers={n.num_numbers} is more than there are numbers from "
+            f"data.number_words.always_train_below={n.always_train_below} to "
+            f"data.number_words.max_number={n.max_number}: lower it, or 0 for all of them"
         )
     _check_held_out(d)
 
 
 def _check_spoken_numbers(d: DataConfig) -> None:
-    if not d.speech_languages or len(set(d.speech_languages)) != len(d.speech_languages):
+    s = d.spoken_numbers
+    if len(set(s.languages)) != len(s.languages):
         raise ConfigError(
-            f"data.speech_languages={tuple(d.speech_languages)} must name distinct languages, "
-            "e.g. --config.data.speech_languages=\"('en','de')\""
+            f"data.spoken_numbers.languages={tuple(s.languages)} must name distinct languages, "
+            "e.g. --config.data.spoken_numbers.languages=\"('en','de')\""
         )
     _num2words_languages(
-        "speech_languages",
-        d.speech_languages,
+        "spoken_numbers.languages",
+        s.languages,
         "use espeak-ng voices num2words knows, e.g. en, de, fr",
     )
-    low = min(d.speech_always_train_below, d.speech_max_number + 1)
-    if d.speech_numbers > d.speech_max_number + 1 - low:
+    low = min(s.always_train_below, s.max_number + 1)
+    if s.numbers > s.max_number + 1 - low:
         raise ConfigError(
-            f"data.speech_numbers={d.speech_numbers} is more than there are numbers from "
-            f"data.speech_always_train_below={d.speech_always_train_below} to "
-            f"data.speech_max_number={d.speech_max_number}: lower it, or 0 for all of them"
+            f"data.spoken_numbers.numbers={s.numbers} is more than there are numbers from "
+            f"data.spoken_numbers.always_train_below={s.always_train_below} to "
+            f"data.spoken_numbers.max_number={s.max_number}: lower it, or 0 for all of them"
         )
     _check_held_out(d)
 
@@ -171,21 +180,22 @@ def _check_languages(d: DataConfig) -> None:
 
 
 def _check_parallel_text(d: DataConfig) -> None:
-    if not d.corpus_dir:
+    if not d.parallel_text.corpus_dir:
         raise ConfigError(
-            "data.corpus_dir is empty; data.dataset=parallel_text reads {split}.{lang} files "
-            "from it"
+            "data.parallel_text.corpus_dir is empty; data.dataset=parallel_text reads "
+            "{split}.{lang} files from it"
         )
     _check_languages(d)
 
 
 def _check_tsv(d: DataConfig) -> None:
     _check_held_out(d)
-    if not d.tsv_path:
-        raise ConfigError("data.tsv_path is empty; data.dataset=tsv reads pairs from it")
-    if d.source_column == d.target_column:
+    t = d.tsv
+    if not t.path:
+        raise ConfigError("data.tsv.path is empty; data.dataset=tsv reads pairs from it")
+    if t.source_column == t.target_column:
         raise ConfigError(
-            f"data.source_column and data.target_column are both {d.source_column}; "
+            f"data.tsv.source_column and data.tsv.target_column are both {t.source_column}; "
             "the source and the target must be different columns"
         )
 
@@ -212,23 +222,24 @@ def _renamed(splits: Splits, names: dict[str, str]) -> Splits:
 def _load_number_words(data: DataConfig, log: Log) -> Splits:
     from flaxformer_lite.data.numbers import load_number_words
 
+    n = data.number_words
     return load_number_words(
         tfds_dir(data),
-        tuple(data.languages),
-        data.max_number,
+        tuple(n.languages),
+        n.max_number,
         data.seed,
         data.valid_fraction,
         data.test_fraction,
-        data.always_train_below,
-        data.shape_balance,
-        data.num_numbers,
+        n.always_train_below,
+        n.shape_balance,
+        n.num_numbers,
     )
 
 
 def _load_names(data: DataConfig, log: Log) -> Splits:
     from flaxformer_lite.data.names import load_names
 
-    return load_names(data.names_train, data.names_valid, data.names_test, data.seed)
+    return load_names(data.names.train, data.names.valid, data.names.test, data.seed)
 
 
 def _load_spoken_numbers(data: DataConfig, log: Log) -> Splits:
@@ -237,22 +248,23 @@ def _load_spoken_numbers(data: DataConfig, log: Log) -> Splits:
     from flaxformer_lite.data import speech_synthesis, spoken_numbers
     from flaxformer_lite.data.spoken_numbers import load_spoken_numbers
 
+    s = data.spoken_numbers
     try:
         return load_spoken_numbers(
             tfds_dir(data),
-            languages=tuple(data.speech_languages),
-            max_number=data.speech_max_number,
-            num_numbers=data.speech_numbers,
-            always_train_below=data.speech_always_train_below,
-            utterances_per_number=data.speech_utterances_per_number,
-            num_mels=data.num_mels,
+            languages=tuple(s.languages),
+            max_number=s.max_number,
+            num_numbers=s.numbers,
+            always_train_below=s.always_train_below,
+            utterances_per_number=s.utterances_per_number,
+            num_mels=s.num_mels,
             seed=data.seed,
             valid_fraction=data.valid_fraction,
             test_fraction=data.test_fraction,
-            target=data.speech_target,
+            target=s.target,
             # "tones": one sine per character instead of a voice (tests, no espeak-ng).
-            synthesize=spoken_numbers.tones if data.speech_synthesizer == "tones" else None,
-            voice=data.speech_synthesizer,
+            synthesize=spoken_numbers.tones if s.synthesizer == "tones" else None,
+            voice=s.synthesizer,
             log=log,
         )
     except speech_synthesis.SynthesisUnavailable as e:
@@ -263,10 +275,11 @@ def _load_parallel_text(data: DataConfig, log: Log) -> Splits:
     from flaxformer_lite.data import translation
 
     names = dict(data.split_names)
-    corpus = os.path.abspath(data.corpus_dir)
+    corpus_dir = data.parallel_text.corpus_dir
+    corpus = os.path.abspath(corpus_dir)
     if not os.path.isdir(corpus):
         raise ConfigError(
-            f"data.corpus_dir={data.corpus_dir!r} is not a directory; point it at a "
+            f"data.parallel_text.corpus_dir={corpus_dir!r} is not a directory; point it at a "
             "folder of {split}.{lang} files"
         )
     wanted = [names.get(s, s) for s in ("train", "validation", "test")]
@@ -293,10 +306,10 @@ def _load_tsv(data: DataConfig, log: Log) -> Splits:
     from flaxformer_lite.data import tsv_pairs
 
     splits = tsv_pairs.load_tsv_pairs(
-        data.tsv_path,
+        data.tsv.path,
         tfds_dir=tfds_dir(data),
-        source_column=data.source_column,
-        target_column=data.target_column,
+        source_column=data.tsv.source_column,
+        target_column=data.tsv.target_column,
         seed=data.seed,
         valid_fraction=data.valid_fraction,
         test_fraction=data.test_fraction,
@@ -317,49 +330,29 @@ def _load_catalog(data: DataConfig, log: Log) -> Splits:
     return _renamed(splits, dict(data.split_names))
 
 
+# The shared `data` fields of the seeded train/validation/test assignment.
 _SPLIT = ("seed", "valid_fraction", "test_fraction")
 DATASETS: dict[str, Dataset] = {
     "number_words": Dataset(
-        (
-            "languages",
-            "max_number",
-            "always_train_below",
-            "shape_balance",
-            "num_numbers",
-            *_SPLIT,
-        ),
-        _check_number_words,
-        _load_number_words,
+        dataset_options.NumberWords, _SPLIT, _check_number_words, _load_number_words
     ),
-    "names": Dataset(
-        ("names_train", "names_valid", "names_test", "seed"), lambda d: None, _load_names
-    ),
+    "names": Dataset(dataset_options.Names, ("seed",), lambda d: None, _load_names),
     "spoken_numbers": Dataset(
-        (
-            "speech_languages",
-            "speech_max_number",
-            "speech_numbers",
-            "speech_always_train_below",
-            "speech_utterances_per_number",
-            "speech_target",
-            "num_mels",
-            "speech_synthesizer",
-            *_SPLIT,
-        ),
+        dataset_options.SpokenNumbers,
+        _SPLIT,
         _check_spoken_numbers,
         _load_spoken_numbers,
         features=True,
     ),
     "parallel_text": Dataset(
-        ("corpus_dir", "source_lang", "target_lang", "split_names"),
+        dataset_options.ParallelText,
+        ("source_lang", "target_lang", "split_names"),
         _check_parallel_text,
         _load_parallel_text,
     ),
-    "tsv": Dataset(
-        ("tsv_path", "source_column", "target_column", "split_names", *_SPLIT),
-        _check_tsv,
-        _load_tsv,
-    ),
+    "tsv": Dataset(dataset_options.Tsv, ("split_names", *_SPLIT), _check_tsv, _load_tsv),
 }
 # Any other name: a TFDS catalog dataset such as "wmt14_translate/de-en".
-CATALOG = Dataset(("source_lang", "target_lang", "split_names"), _check_languages, _load_catalog)
+CATALOG = Dataset(
+    None, ("source_lang", "target_lang", "split_names"), _check_languages, _load_catalog
+)

@@ -73,9 +73,19 @@ def check_config_overrides(argv: list[str], default_path: str, flag: str = "conf
                 known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "none"
                 fail(
                     f"unknown config key {key!r} in {path}: {where} has no field {part!r} "
-                    f"(fields: {known})"
+                    f"({_moved(key) or f'fields: {known}'})"
                 )
             node = node[part]
+
+
+def _moved(key: str) -> str | None:
+    """Where a `data` field of an earlier version went ("it is now data.names.train")."""
+    from flaxformer_lite.config.sections import MOVED_DATA_FIELDS
+
+    section, _, name = key.partition(".")
+    if section == "data" and name in MOVED_DATA_FIELDS:
+        return f"it is now data.{MOVED_DATA_FIELDS[name]}"
+    return None
 
 
 def define_host_malloc_flag() -> None:

@@ -4,8 +4,10 @@
   fields.py     how a section's fields declare their checks (`field`, `section`)
   model.py      `TransformerConfig`, the `model` section (modes by `.replace`)
   sections.py   the `data`, `optim`, `train` and `mesh` sections
+  dataset_options.py  each dataset's own section, nested in `data` (`data.tsv`, ...)
   variants.py   the optional sections that switch on a model variant
   run.py        `RunConfig`: `parse` a run config once, to and from a workdir's JSON
+  defaults.py   the ConfigDict configs/default.py starts from, made from the dataclasses
   reference.py  docs/configuration.md, generated from the dataclasses
 
 `ConfigError` and `TransformerConfig` are importable from here: every layer reads them.

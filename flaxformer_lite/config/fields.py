@@ -6,6 +6,8 @@ the flag is the field's full name, e.g. "train.batch_size". `section(cls, name, 
 builds the dataclass from a config's section: it refuses names that are not fields,
 gives missing fields their defaults, turns integers into floats for float fields, runs
 each field's check in field order and raises `ConfigError` with the first error line.
+A field made by `subsection(cls)` holds a section nested in another (`data.tsv`), built
+the same way from its own values.
 """
 
 from __future__ import annotations
@@ -94,6 +96,16 @@ def field(default, check: Check, default_factory=None):
     return dataclasses.field(default=default, metadata={"check": check})
 
 
+def subsection(cls):
+    """A field holding section `cls` nested in this one (e.g. `data.tsv`), its defaults
+    when a config leaves it out."""
+
+    def check(flag, v):
+        return None if isinstance(v, cls) else f"{flag} must be a section of fields, got {v!r}"
+
+    return dataclasses.field(default_factory=cls, metadata={"check": check, "section": cls})
+
+
 def plain(value):
     """ConfigDict values as plain Python: nested dicts, lists as tuples."""
     if isinstance(value, (ml_collections.ConfigDict, Mapping)):
@@ -127,6 +139,9 @@ def section(cls, name: str, values: Mapping[str, Any]):
         )
     kwargs = {}
     for f in fields:
+        if "section" in f.metadata:
+            kwargs[f.name] = _nested(f.metadata["section"], f"{name}.{f.name}", values, f.name)
+            continue
         if f.name in values:
             value = plain(values[f.name])
         else:
@@ -138,3 +153,18 @@ def section(cls, name: str, values: Mapping[str, Any]):
             raise ConfigError(message)
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _nested(cls, flag: str, values: Mapping[str, Any], name: str):
+    """The section nested under `name` in `values`, built by `section`."""
+    nested = values.get(name, None)
+    if nested is None:
+        nested = {}
+    if isinstance(nested, cls):
+        return nested
+    if not isinstance(nested, (ml_collections.ConfigDict, Mapping)):
+        raise ConfigError(
+            f"{flag} is a section of fields, got {nested!r}; set one of them, e.g. "
+            f"--config.{flag}.{dataclasses.fields(cls)[0].name}=..."
+        )
+    return section(cls, flag, nested)

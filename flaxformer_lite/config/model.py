@@ -61,12 +61,12 @@ class TransformerConfig:
     input_features: int = 0  # 0: the encoder reads token ids; > 0: float features of this size
     share_embeddings: bool = True  # one matrix for encoder input, decoder input, softmax (§3.4)
     tie_output_embedding: bool = True  # decoder input embedding reused as pre-softmax weights
-    d_model: int = 512
-    num_heads: int = 8
+    d_model: int = 512  # the width of every sub-layer's output and of the embeddings (§3)
+    num_heads: int = 8  # attention heads h (§3.2.2)
     d_kv: int | None = None  # per-head d_k = d_v; None: d_model // num_heads (Table 3 A/B vary it)
-    d_ff: int = 2048
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
+    d_ff: int = 2048  # the feed-forward hidden size (§3.3)
+    num_encoder_layers: int = 6  # N of the encoder stack (§3.1)
+    num_decoder_layers: int = 6  # N of the decoder stack
     dropout_rate: float = 0.1  # P_drop: sub-layer outputs and embedding sums (§5.4)
     attention_dropout_rate: float = 0.0  # on attention weights; the paper uses none
     dropout_rng: str = "hash"  # mask bits: "hash" (fused, fast) | "threefry" (jax.random)
@@ -74,12 +74,16 @@ class TransformerConfig:
     positions: str = "sinusoidal"  # "sinusoidal" | "learned" (Table 3 row E) | "none"
     norm: str = "post"  # "post": LayerNorm(x + Sublayer(x)) as in §3.1; "pre": x + Sublayer(LN(x))
     activation: str = "relu"  # feed-forward non-linearity: "relu" (§3.3) | "gelu"
-    attention_impl: str = "auto"  # "auto": cuDNN (GPU) / splash (TPU) / XLA; see nn/kernels.py
+    # "auto": cuDNN flash (GPU) / splash (TPU) / XLA; or vmap | fast | cudnn | splash to force
+    # one (nn/kernels.py); one line per run says which runs, and why
+    attention_impl: str = "auto"
     encoder_window: int = 0  # > 0: encoder query i attends keys |i - j| <= r, O(n r); 0 = full
     decoder_window: int = 0  # > 0: decoder query i attends i - r <= j <= i, O(n r); 0 = full
-    layer_norm_epsilon: float = 1e-6
-    dtype: Any = jnp.float32  # compute dtype ("auto" in run configs: bf16 on GPU/TPU, fp32 CPU)
-    param_dtype: Any = jnp.float32  # storage dtype of parameters
+    layer_norm_epsilon: float = 1e-6  # added to the variance; 1e-6 as in tensor2tensor
+    # matmul operands ("auto" in run configs: bfloat16 on GPU/TPU, float32 on CPU); softmax,
+    # LayerNorm statistics, loss and every matmul's accumulation stay float32
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32  # storage of parameters (optim.state_dtype: of Adam's moments)
     scan_layers: bool = False  # one lax.scan over parameters stored stacked [L, ...] per leaf
     remat: str = "none"  # per layer: what the backward pass recomputes (REMAT_POLICIES)
     # Convolutional front end for features (nn/subsampling.py): each layer halves the frames.

@@ -1,12 +1,12 @@
 """The configuration reference of docs/configuration.md, generated from the dataclasses.
 
 Every run-config section is a frozen dataclass (sections.py, variants.py; the `model`
-section is `TransformerConfig`, model.py). This module renders one table per
-section from them: each field's name, type, the value `configs/default.py` gives it, the
-dataclass default where that differs, what the field's check accepts (the check's own
-error line, asked with a value no check accepts) and the comments written beside the
-field in the source (else beside it in configs/default.py). The page cannot drift from
-the code: a test compares it with this output.
+section is `TransformerConfig`, model.py; the datasets' sections nested in `data`,
+dataset_options.py). This module renders one table per section from them: each field's
+name, type, the value `configs/default.py` gives it, the dataclass default where that
+differs, what the field's check accepts (the check's own error line, asked with a value
+no check accepts) and the comments written beside the field in the source. The page
+cannot drift from the code: a test compares it with this output.
 
     python -m flaxformer_lite.config.reference            # prints the reference
     python -m flaxformer_lite.config.reference --write    # rewrites it in docs/configuration.md
@@ -32,10 +32,11 @@ DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def sections() -> list[tuple[str, type, bool]]:
-    """(section name, its dataclass, whether a run config must have it)."""
+    """(section name, its dataclass, whether a run config must have it); a nested section
+    (`data.tsv`) follows the section it is in."""
     from flaxformer_lite.config import model, sections, variants
 
-    return [
+    top = [
         ("model", model.TransformerConfig, True),
         ("data", sections.DataConfig, True),
         ("optim", sections.OptimConfig, True),
@@ -46,6 +47,13 @@ def sections() -> list[tuple[str, type, bool]]:
         ("copy", variants.CopyHead, False),
         ("guided_attention", variants.GuidedAttention, False),
     ]
+    out = []
+    for name, cls, required in top:
+        out.append((name, cls, required))
+        for f in dataclasses.fields(cls):
+            if "section" in f.metadata:
+                out.append((f"{name}.{f.name}", f.metadata["section"], False))
+    return out
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -66,49 +74,6 @@ def field_comments(cls: type) -> dict[str, str]:
             n -= 1
         trailing = [comments[i] for i in range(node.lineno, node.end_lineno + 1) if i in comments]
         out[node.target.id] = " ".join(above + trailing)
-    return out
-
-
-def default_py_comments(path: pathlib.Path) -> dict[tuple[str, str], str]:
-    """{(section, field): its comment in configs/default.py}.
-
-    The comment on the assignment's line (and the comment lines after it when that one
-    breaks off mid-sentence, at a comma or a bar), else the comment block right above it.
-    """
-    source = path.read_text()
-    comments: dict[int, str] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    lines = source.splitlines()
-    only_comment = {n for n in comments if lines[n - 1].strip().startswith("#")}
-    alias: dict[str, str] = {}  # `config.model = m = ...`: m -> model
-    out = {}
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Assign):
-            continue
-        targets = [t for t in node.targets if isinstance(t, ast.Attribute)]
-        names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-        for t in targets:
-            owner = t.value.id if isinstance(t.value, ast.Name) else None
-            if owner == "config":
-                alias.update({n: t.attr for n in names})
-            elif owner in alias:
-                text = [
-                    comments[i]
-                    for i in range(node.lineno, node.end_lineno + 1)
-                    if i in comments and i not in only_comment
-                ]
-                n = node.end_lineno + 1
-                while text and text[-1].endswith((",", "|")) and n in only_comment:
-                    text.append(comments[n])
-                    n += 1
-                if not text:
-                    n = node.lineno - 1
-                    while n in only_comment:
-                        text.insert(0, comments[n])
-                        n -= 1
-                out[(alias[owner], t.attr)] = " ".join(text)
     return out
 
 
@@ -173,13 +138,11 @@ def reference() -> str:
     if root not in sys.path:
         sys.path.insert(0, root)  # configs/ is a plain directory beside the package
     default = importlib.import_module("configs.default").get_config().to_dict()
-    default_notes = default_py_comments(DOC.parents[1] / "configs" / "default.py")
     parts = [
         "Generated from the section dataclasses. *default.py* is the value "
         "`configs/default.py` gives (blank: the section or field is not in it, so the "
         "dataclass default applies); *dataclass default* is shown where it differs.\n"
     ]
-    choices = _model_choices()
     for name, cls, required in sections():
         doc = inspect.getdoc(cls) or ""
         first = doc.split("\n\n")[0].replace("\n", " ")
@@ -187,24 +150,37 @@ def reference() -> str:
         parts.append(f"### `{name}` ({need})\n\n{first}\n")
         parts.append("| field | type | default.py | dataclass default | accepts | notes |")
         parts.append("|---|---|---|---|---|---|")
-        comments = field_comments(cls)
-        given = default.get(name, {}) or {}
-        for f in dataclasses.fields(cls):
-            ours = _default(f)
-            in_default = f.name in given
-            shown = _shown(given[f.name]) if in_default else ""
-            differs = not in_default or _shown(ours) != shown
-            check = f.metadata.get("check")
-            rule = accepted(check, f"{name}.{f.name}") if check else ""
-            if name == "model" and f.name in choices:
-                rule = "one of " + ", ".join(choices[f.name])
-            parts.append(
-                f"| `{f.name}` | `{_cell(str(f.type))}` | {shown} | "
-                f"{_shown(ours) if differs else ''} | {_cell(rule)} | "
-                f"{_cell(comments.get(f.name) or default_notes.get((name, f.name), ''))} |"
-            )
+        given = default
+        for key in name.split("."):
+            given = given.get(key, {}) or {}
+        notes = field_comments(cls)
+        parts += [_row(name, f, given, notes.get(f.name, "")) for f in dataclasses.fields(cls)]
         parts.append("")
     return "\n".join(parts).rstrip("\n") + "\n"
+
+
+def _row(name: str, f: dataclasses.Field, given: Mapping, note: str) -> str:
+    """The table row of field `f` of section `name`: `given` is the section as
+    configs/default.py gives it, `note` the field's comments."""
+    if "section" in f.metadata:  # a nested section: its own table follows
+        nested = f"{name}.{f.name}"
+        return (
+            f"| `{f.name}` | `{f.metadata['section'].__name__}` |  |  | a section | "
+            f"{_cell(note or f'the options of data.dataset={f.name}: the section `{nested}`')} |"
+        )
+    ours = _default(f)
+    in_default = f.name in given
+    shown = _shown(given[f.name]) if in_default else ""
+    differs = not in_default or _shown(ours) != shown
+    check = f.metadata.get("check")
+    rule = accepted(check, f"{name}.{f.name}") if check else ""
+    choices = _model_choices()
+    if name == "model" and f.name in choices:
+        rule = "one of " + ", ".join(choices[f.name])
+    return (
+        f"| `{f.name}` | `{_cell(str(f.type))}` | {shown} | "
+        f"{_shown(ours) if differs else ''} | {_cell(rule)} | {_cell(note)} |"
+    )
 
 
 def render(page: str) -> str:

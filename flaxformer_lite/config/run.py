@@ -20,7 +20,14 @@ from flaxformer_lite import datasets
 from flaxformer_lite.config.errors import ConfigError
 from flaxformer_lite.config.fields import section
 from flaxformer_lite.config.model import TransformerConfig, from_mapping
-from flaxformer_lite.config.sections import DataConfig, MeshConfig, OptimConfig, TrainConfig
+from flaxformer_lite.config.sections import (
+    DataConfig,
+    MeshConfig,
+    OptimConfig,
+    TrainConfig,
+    data_section,
+    moved_data_fields,
+)
 from flaxformer_lite.config.variants import (
     CopyHead,
     GuidedAttention,
@@ -92,7 +99,8 @@ class RunConfig:
     def from_json(cls, saved: Mapping[str, Any]) -> RunConfig:
         """A run config as `to_json` wrote it, or as a workdir of an earlier version saved
         it (the ConfigDict's own sections: a missing section or field takes its default,
-        which is what that version used).
+        which is what that version used; `data` fields of a version before each dataset
+        had its own section move into it, `sections.MOVED_DATA_FIELDS`).
 
         Raises:
           ConfigError: a section or field this version does not know, or a bad value.
@@ -105,7 +113,7 @@ class RunConfig:
         model.setdefault("vocab_multiple", 1)
         return cls(
             model=from_mapping(model),
-            data=section(DataConfig, "data", saved.get("data") or {}),
+            data=section(DataConfig, "data", moved_data_fields(saved.get("data") or {})),
             optim=section(OptimConfig, "optim", saved.get("optim") or {}),
             train=section(TrainConfig, "train", saved.get("train") or {}),
             mesh=section(MeshConfig, "mesh", saved.get("mesh") or {}),
@@ -132,7 +140,7 @@ def parse(config: ml_collections.ConfigDict) -> RunConfig:
             f"run config has a section '{extra[0]}'; the sections are {', '.join(SECTIONS)}"
         )
     share_embeddings = from_mapping(config.model.to_dict()).share_embeddings  # checks the model
-    data = section(DataConfig, "data", config.data)
+    data = data_section(config.data)
     optim = section(OptimConfig, "optim", config.optim)
     train = section(TrainConfig, "train", config.train)
     mesh = section(MeshConfig, "mesh", config.get("mesh", None) or {})
@@ -166,11 +174,12 @@ def _check_together(model: TransformerConfig, data: DataConfig, optim, train) ->
             "data.batching=pack puts several token sources in a row; speech features batch "
             "with --config.data.batching=bucket (or fixed)"
         )
-    if data.dataset == "spoken_numbers" and model.input_features != data.num_mels:
+    num_mels = data.spoken_numbers.num_mels
+    if data.dataset == "spoken_numbers" and model.input_features != num_mels:
         raise ConfigError(
             f"model.input_features={model.input_features} but data.dataset=spoken_numbers gives "
-            f"data.num_mels={data.num_mels} features per frame: set "
-            f"--config.model.input_features={data.num_mels}"
+            f"data.spoken_numbers.num_mels={num_mels} features per frame: set "
+            f"--config.model.input_features={num_mels}"
         )
     if model.positions == "learned" and max(data.max_source_len, data.max_target_len) > (
         model.max_len

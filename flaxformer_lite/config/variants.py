@@ -45,15 +45,22 @@ class ScheduledSampling:
     """`scheduled_sampling` (optional section): the decoder is fed its own predictions with
     probability 1 - eps_i (objectives/scheduled_sampling.py); mode "off" feeds the gold."""
 
-    mode: str = field("off", one_of(*SAMPLING_MODES))  # what is fed: off = gold
-    schedule: str = field("linear", one_of(*SAMPLING_SCHEDULES))  # gold prob. eps_i
-    k: float = field(1.0, number(0.0))  # linear: eps_i = max(eps_min, k - c i); 0: always fed
-    c: float = field(1e-4, number(0.0))  # the decay rate of the schedule
+    # what is fed: off (the gold: teacher forcing) | argmax | sample | soft (the
+    # softmax-weighted embedding)
+    mode: str = field("off", one_of(*SAMPLING_MODES))
+    # the gold's probability eps_i: linear max(eps_min, k - c*i) | exponential k**i |
+    # inverse_sigmoid k / (k + exp(i / k)) | constant k
+    schedule: str = field("linear", one_of(*SAMPLING_SCHEDULES))
+    k: float = field(1.0, number(0.0))  # of the schedule; linear with k = 0: always fed
+    c: float = field(1e-4, number(0.0))  # linear: the decrease of eps_i per step
     eps_min: float = field(0.0, number(0.0, 1.0, high_open=False))  # the floor of eps_i
-    warmup_steps: int = field(0, NON_NEGATIVE)  # steps of pure teacher forcing first
+    warmup_steps: int = field(0, NON_NEGATIVE)  # steps of pure teacher forcing; i counts after
     temperature: float = field(1.0, number(0.0, low_open=True))  # sample/soft: of the softmax
-    gradient: str = field("last", one_of(*SAMPLING_GRADIENTS))  # passes it reaches
-    passes: int = field(2, int_at_least(2))  # decoder passes per step (the last is scored)
+    # last: the gradient through the last pass only | all (soft only)
+    gradient: str = field("last", one_of(*SAMPLING_GRADIENTS))
+    # decoder passes per step (the last is scored): 2 = two-pass decoder, more = the
+    # parallel variant
+    passes: int = field(2, int_at_least(2))
 
     def __post_init__(self):
         check_fields(self, "scheduled_sampling")

@@ -91,7 +91,7 @@ def train_flags(
     names = {ours: theirs for ours, theirs in split_names.items() if ours != "train"}
     return [
         "--config.data.dataset=parallel_text",
-        f"--config.data.corpus_dir={os.path.abspath(output_dir)}",
+        f"--config.data.parallel_text.corpus_dir={os.path.abspath(output_dir)}",
         f"--config.data.source_lang={langs[0]}",
         f"--config.data.target_lang={langs[1]}",
         f"--config.data.split_names={names!r}",
@@ -234,12 +234,14 @@ def teacher_data(run_config: RunConfig):
     """The data section of a teacher run's saved config; a parallel-text corpus must be
     where the run read it (line_io.InputError otherwise)."""
     data = run_config.data
-    if data.dataset == "parallel_text" and not os.path.isdir(data.corpus_dir):
+    corpus_dir = data.parallel_text.corpus_dir
+    if data.dataset == "parallel_text" and not os.path.isdir(corpus_dir):
         fix = "restore the corpus there"
-        if not os.path.isabs(data.corpus_dir):  # read from train.py's working directory
+        if not os.path.isabs(corpus_dir):  # read from train.py's working directory
             fix = f"run distill.py from the directory train.py ran in, or {fix}"
         raise line_io.InputError(
-            f"the run's corpus data.corpus_dir={data.corpus_dir!r} is not a directory here; {fix}"
+            f"the run's corpus data.parallel_text.corpus_dir={corpus_dir!r} is not a directory "
+            f"here; {fix}"
         )
     return data
 

@@ -64,7 +64,7 @@ def tokenize_lines(
 
 def features_of_lines(lines: Sequence[str], run_config: RunConfig, max_source_len: int) -> Sources:
     """A speech workdir's input: each line is a WAV path, read into the features training
-    used (`audio_features.speech_features` with the run's `data.num_mels`), at most
+    used (`audio_features.speech_features` with the run's `data.spoken_numbers.num_mels`), at most
     `max_source_len` frames (longer ones are cut, and counted). Blank lines are not decoded.
 
     Sources.ids then holds float32[K, F] per line ([] for a blank one).
@@ -74,7 +74,7 @@ def features_of_lines(lines: Sequence[str], run_config: RunConfig, max_source_le
     """
     from flaxformer_lite.data import audio_features
 
-    num_mels = run_config.data.num_mels
+    num_mels = run_config.data.spoken_numbers.num_mels
     out = Sources(ids=[])
     for number, line in enumerate(lines, start=1):
         path = line.strip()

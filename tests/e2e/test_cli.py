@@ -63,6 +63,9 @@ def test_dry_run_base_config_prints_total():
         (["--config.model.d_model=30"], "not divisible by model.num_heads"),
         (["--config=configs/nope.py"], "does not exist"),
         (["--config.train.batch_size=0"], "train.batch_size must be a positive integer"),
+        (["--config.data.names_train=5"], "has no field 'names_train' (it is now data.names."),
+        (["--config.data.names.train=x"], "invalid literal"),
+        (["--config.data.names.train=0"], "data.names.train must be a positive integer"),
     ],
 )
 def test_bad_config_gets_one_line(flags, words):

@@ -1,5 +1,6 @@
 """Run configs: every field checked up front, the resume check, and every config file trains."""
 
+import dataclasses
 import glob
 import os
 import random
@@ -24,10 +25,13 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 def with_changes(changes: dict, base=default.get_config):
     config = base()
     for key, value in changes.items():
-        section, name = key.split(".")
-        if name in config[section]:
-            del config[section][name]  # ConfigDict keeps a field's type; a wrong one is the test
-        config[section][name] = value
+        *path, name = key.split(".")
+        section = config
+        for part in path:
+            section = section[part]
+        if name in section:
+            del section[name]  # ConfigDict keeps a field's type; a wrong one is the test
+        section[name] = value
     return config
 
 
@@ -113,11 +117,38 @@ def test_a_kernel_or_dtype_this_platform_lacks_is_refused():
         ("data.valid_fraction", 1.0, "data.valid_fraction must be a number in [0, 1)"),
         ("data.test_fraction", -0.1, "data.test_fraction must be a number in [0, 1)"),
         ("data.valid_fraction", 0.96, "leave no training examples"),
-        ("data.max_number", -1, "data.max_number must be a non-negative integer"),
-        ("data.max_number", 99, "data.always_train_below=100 keeps every number up to"),
-        ("data.shape_balance", 1.5, "data.shape_balance must be a number in [0, 1]"),
-        ("data.languages", (), "data.languages must be a non-empty tuple of strings"),
-        ("data.languages", ("en", "xx"), "data.languages has 'xx', which num2words cannot"),
+        (
+            "data.number_words.max_number",
+            -1,
+            "data.number_words.max_number must be a non-negative integer",
+        ),
+        (
+            "data.number_words.max_number",
+            99,
+            "data.number_words.always_train_below=100 keeps every number up to",
+        ),
+        (
+            "data.number_words.shape_balance",
+            1.5,
+            "data.number_words.shape_balance must be a number in [0, 1]",
+        ),
+        (
+            "data.number_words.languages",
+            (),
+            "data.number_words.languages must be a non-empty tuple of strings",
+        ),
+        (
+            "data.number_words.languages",
+            ("en", "xx"),
+            "data.number_words.languages has 'xx', which num2words cannot",
+        ),
+        ("data.names.valid", -1, "data.names.valid must be a non-negative integer"),
+        ("data.spoken_numbers.num_mels", 0, "data.spoken_numbers.num_mels must be a positive"),
+        ("data.tsv.path", 3, "data.tsv.path must be a string, got 3"),
+        ("data.tsv.colum", 3, "data.tsv.colum is not a data.tsv field; the fields are path,"),
+        ("data.tsv", "pairs.tsv", "data.tsv is a section of fields, got 'pairs.tsv'"),
+        ("data.names_train", 5, "data.names_train is now data.names.train"),
+        ("data.num_mels", 40, "data.num_mels is now data.spoken_numbers.num_mels"),
         ("data.split_names", {"dev": "val"}, "data.split_names has key 'dev'"),
         ("data.dataset", "", "data.dataset is empty"),
         ("model.dropout_rate", 1.0, "model.dropout_rate must be in [0, 1)"),
@@ -132,12 +163,15 @@ def test_every_range(flag, bad, words):
 @pytest.mark.parametrize(
     "changes, words",
     [
-        ({"data.dataset": "parallel_text"}, "data.corpus_dir is empty"),
+        ({"data.dataset": "parallel_text"}, "data.parallel_text.corpus_dir is empty"),
         (
             {"optim.schedule": "rsqrt", "optim.warmup_steps": 0},
             "optim.warmup_steps=0, but the rsqrt schedule",
         ),
-        ({"data.dataset": "parallel_text", "data.corpus_dir": "c"}, "data.source_lang is empty"),
+        (
+            {"data.dataset": "parallel_text", "data.parallel_text.corpus_dir": "c"},
+            "data.source_lang is empty",
+        ),
         (
             {"data.dataset": "wmt14_translate/de-en", "data.source_lang": "en"},
             "data.target_lang is empty",
@@ -146,12 +180,15 @@ def test_every_range(flag, bad, words):
             {"data.dataset": "x/y", "data.source_lang": "en", "data.target_lang": "en"},
             "both 'en'",
         ),
-        ({"data.dataset": "tsv"}, "data.tsv_path is empty"),
+        ({"data.dataset": "tsv"}, "data.tsv.path is empty"),
         (
-            {"data.dataset": "tsv", "data.tsv_path": "p", "data.target_column": 0},
-            "data.source_column and data.target_column are both 0",
+            {"data.dataset": "tsv", "data.tsv.path": "p", "data.tsv.target_column": 0},
+            "data.tsv.source_column and data.tsv.target_column are both 0",
         ),
-        ({"data.dataset": "tsv", "data.tsv_path": "p", "data.source_column": -1}, "non-neg"),
+        (
+            {"data.dataset": "tsv", "data.tsv.path": "p", "data.tsv.source_column": -1},
+            "data.tsv.source_column must be a non-negative integer",
+        ),
         ({"model.positions": "learned", "model.max_len": 12}, "model.max_len=12 is shorter"),
     ],
 )
@@ -168,7 +205,7 @@ def test_typed_sections():
             got = getattr(getattr(run, section), key)
             if isinstance(value, ml_collections.ConfigDict):
                 value = value.to_dict()
-                got = dict(got) if isinstance(got, dict) else got
+                got = dataclasses.asdict(got) if dataclasses.is_dataclass(got) else dict(got)
             assert got == value or (isinstance(got, tuple) and list(got) == list(value)), (
                 section,
                 key,
@@ -243,7 +280,7 @@ VARIANTS = {
     "wmt14_ende_big": "wmt14_ende_base at another size, which SHRINK trains at the same size",
     "tiny": "default shrunk; most of the suite trains it in-process",
     "copy": "default with a copy section (tests/unit/models/test_copy.py trains one)",
-    "numbers_long": "default with other data.max_number and data.num_numbers",
+    "numbers_long": "default with other data.number_words.max_number and num_numbers",
     "names_copy": "names with a copy section",
     "multi30k_ende_copy": "multi30k_ende with a copy section",
     "spoken_numbers": "tests/e2e/test_speech_training.py trains its feature path on tone audio",
@@ -397,25 +434,26 @@ def test_every_config_trains(path, tmp_path, compile_cache):
     if config.model.d_model >= 512:
         args += SHRINK
     if d.dataset == "number_words":
-        args.append("--config.data.max_number=99")  # 100 numbers per language
-        args.append("--config.data.always_train_below=0")  # any of them may be held out
-        args.append("--config.data.num_numbers=0")  # all of them
+        args.append("--config.data.number_words.max_number=99")  # 100 numbers per language
+        args.append("--config.data.number_words.always_train_below=0")  # any may be held out
+        args.append("--config.data.number_words.num_numbers=0")  # all of them
         command = ["train.py", *args]
     elif d.dataset == "names":
         # each of its ~70 characters (both cases, digits, punctuation) needs a piece
         args[args.index("--config.data.vocab_size=48")] = "--config.data.vocab_size=96"
-        args += ["--config.data.names_train=200", "--config.data.names_valid=8"]
-        command = ["train.py", *args, "--config.data.names_test=8"]
+        args += ["--config.data.names.train=200", "--config.data.names.valid=8"]
+        command = ["train.py", *args, "--config.data.names.test=8"]
     elif d.dataset == "spoken_numbers":
         # A dozen tone "utterances" (no espeak-ng) of up to 64 frames.
         args[args.index("--config.data.max_source_len=16")] = "--config.data.max_source_len=64"
-        args += ["--config.data.max_tokens=256", "--config.data.speech_synthesizer=tones"]
-        args += ["--config.data.speech_max_number=40", "--config.data.speech_numbers=8"]
-        args += ["--config.data.speech_always_train_below=4", "--config.data.valid_fraction=0.25"]
-        command = ["train.py", *args, "--config.data.speech_utterances_per_number=1"]
+        speech = "--config.data.spoken_numbers"
+        args += ["--config.data.max_tokens=256", f"{speech}.synthesizer=tones"]
+        args += [f"{speech}.max_number=40", f"{speech}.numbers=8"]
+        args += [f"{speech}.always_train_below=4", "--config.data.valid_fraction=0.25"]
+        command = ["train.py", *args, f"{speech}.utterances_per_number=1"]
     elif d.dataset == "parallel_text":
         _corpus(tmp_path, config)
-        command = ["train.py", *args, f"--config.data.corpus_dir={tmp_path}"]
+        command = ["train.py", *args, f"--config.data.parallel_text.corpus_dir={tmp_path}"]
     else:
         runner = tmp_path / "mock_train.py"
         runner.write_text(MOCK_TRAIN)

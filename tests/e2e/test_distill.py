@@ -22,6 +22,7 @@ from flaxformer_lite import datasets
 from flaxformer_lite.cli import distill
 from flaxformer_lite.config import run as run_config_lib
 from flaxformer_lite.config import sections
+from flaxformer_lite.config.dataset_options import ParallelText
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.data import examples
 from flaxformer_lite.models import from_config
@@ -51,7 +52,7 @@ def workdir(tfds_dir, tmp_path_factory):
     from flaxformer_lite.training import loop
 
     config = tiny_config(tfds_dir, num_steps=30)
-    config.data.shape_balance = 0.7  # repeats the rarer shapes: training sources recur
+    config.data.number_words.shape_balance = 0.7  # repeats rarer shapes: training sources recur
     path = str(tmp_path_factory.mktemp("distill") / "run")
     loop.train_and_evaluate(parse(config), path, log=lambda s: None)
     return path
@@ -260,7 +261,11 @@ def test_the_printed_flags_load_the_corpus(distilled, tfds_dir):
         name, value = flag.removeprefix("--config.data.").split("=", 1)
         with contextlib.suppress(ValueError, SyntaxError):  # else a plain string
             value = ast.literal_eval(value)
-        config.data[name] = value
+        *path, name = name.split(".")  # parallel_text.corpus_dir
+        section = config.data
+        for part in path:
+            section = section[part]
+        section[name] = value
     splits = datasets.load_splits(run_config_lib.parse(config).data)
     pairs = [p for p in zip(read(out / "train.src"), read(out / "train.tgt")) if all(p)]
     assert examples.texts(splits["train"], "target") == [t for _, t in pairs]
@@ -279,7 +284,7 @@ def test_train_py_trains_on_the_printed_flags(distilled, tfds_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     data = load_run_config(student).data
-    assert (data.dataset, data.corpus_dir) == ("parallel_text", str(out))
+    assert (data.dataset, data.parallel_text.corpus_dir) == ("parallel_text", str(out))
     splits = data_splits(student)
     pairs = [p for p in zip(read(out / "train.src"), read(out / "train.tgt")) if all(p)]
     assert examples.texts(splits["train"], "target") == [t for _, t in pairs]
@@ -304,7 +309,7 @@ def test_a_relative_corpus_dir_names_where_to_run(workdir, monkeypatch, tmp_path
     data = dataclasses.replace(
         run_config.data,
         dataset="parallel_text",
-        corpus_dir="corpora/m30k",
+        parallel_text=ParallelText(corpus_dir="corpora/m30k"),
         source_lang="en",
         target_lang="de",
     )
@@ -313,4 +318,4 @@ def test_a_relative_corpus_dir_names_where_to_run(workdir, monkeypatch, tmp_path
     with pytest.raises(line_io.InputError, match="run distill.py from the directory train.py ran"):
         distillation.teacher_data(run_config)
     (tmp_path / "corpora" / "m30k").mkdir(parents=True)
-    assert distillation.teacher_data(run_config).corpus_dir == "corpora/m30k"
+    assert distillation.teacher_data(run_config).parallel_text.corpus_dir == "corpora/m30k"

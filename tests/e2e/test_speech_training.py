@@ -21,12 +21,13 @@ def _tiny(tfds_dir, synthesizer, target="digits"):
     m, d, t = config.model, config.data, config.train
     m.d_model, m.num_heads, m.d_ff, m.max_len = 16, 2, 32, 64
     m.num_encoder_layers = m.num_decoder_layers = 1
-    m.input_features = d.num_mels = 8
+    s = d.spoken_numbers
+    m.input_features = s.num_mels = 8
     d.tfds_dir = str(tfds_dir)
-    d.speech_synthesizer, d.speech_target = synthesizer, target
-    d.speech_languages = ("en",)
-    d.speech_max_number, d.speech_numbers, d.speech_always_train_below = 40, 16, 5
-    d.speech_utterances_per_number = 2
+    s.synthesizer, s.target = synthesizer, target
+    s.languages = ("en",)
+    s.max_number, s.numbers, s.always_train_below = 40, 16, 5
+    s.utterances_per_number = 2
     d.valid_fraction = d.test_fraction = 0.125  # 2 + 2 held-out numbers
     d.vocab_size, d.max_source_len, d.max_target_len, d.max_tokens = 20, 48, 8, 384
     t.num_steps, t.log_every, t.eval_every, t.checkpoint_every = 2, 1, 0, 2
@@ -64,7 +65,8 @@ def test_two_steps_on_tone_speech(tone_run):
     assert not any(c.isalpha() for p in pieces for c in p), pieces
     with open(os.path.join(workdir, "run_config.json")) as f:
         saved = json.load(f)
-    assert saved["data"]["num_mels"] == 8 and saved["model"]["input_features"] == 8
+    assert saved["data"]["spoken_numbers"]["num_mels"] == 8
+    assert saved["model"]["input_features"] == 8
 
 
 @pytest.mark.skipif(not speech_synthesis.available(), reason="no espeak-ng backend")

@@ -160,7 +160,7 @@ def test_local_corpus_with_bucketed_or_packed_batches(tfds_dir, tmp_path, monkey
         (corpus / f"{split}.de").write_text("\n".join(tgt) + "\n")
     config = tiny_config(tfds_dir, num_steps=40, eval_bleu=True)
     d = config.data
-    d.dataset, d.corpus_dir = "parallel_text", str(corpus)
+    d.dataset, d.parallel_text.corpus_dir = "parallel_text", str(corpus)
     d.source_lang, d.target_lang = "en", "de"
     d.split_names = {"validation": "dev"}
     d.batching, d.max_tokens = batching, 64

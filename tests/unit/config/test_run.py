@@ -12,6 +12,7 @@ from conftest import ROOT, tiny_config
 
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.config.run import RunConfig, parse
+from flaxformer_lite.config.sections import MOVED_DATA_FIELDS
 from flaxformer_lite.config.variants import CopyHead, GuidedAttention, ScheduledSampling
 from flaxformer_lite.training import workdir as workdir_lib
 
@@ -51,6 +52,36 @@ def test_a_run_config_saved_by_the_previous_format_reads_as_its_config(name):
     run = parse(_load(os.path.join(ROOT, "configs", f"{name}.py")))
     assert old != run.to_json()  # another format: sections and fields left out
     assert RunConfig.from_json(old) == run
+
+
+@pytest.mark.parametrize("name", ["names", "spoken_numbers"])
+def test_a_run_config_saved_with_a_flat_data_section_reads_as_its_config(name):
+    """run_config.json as RunConfig.to_json wrote it before each dataset had its own section
+    in `data` (data.names_train, data.speech_numbers, ...): every flat field is moved into
+    its dataset's section, and the run reads back as the config that wrote it."""
+    with open(os.path.join(SAVED, "flat_data", f"{name}.json")) as f:
+        old = json.load(f)
+    run = parse(_load(os.path.join(ROOT, "configs", f"{name}.py")))
+    assert set(old["data"]) & set(MOVED_DATA_FIELDS) == set(MOVED_DATA_FIELDS)
+    assert RunConfig.from_json(old) == run
+    assert old["data"] == _flat(run.to_json()["data"])  # nothing else moved
+
+
+def _flat(data: dict) -> dict:
+    """A `data` section written by to_json, in the flat layout of MOVED_DATA_FIELDS."""
+    sections = {new.split(".")[0] for new in MOVED_DATA_FIELDS.values()}
+    out = {k: v for k, v in data.items() if k not in sections}
+    for old, new in MOVED_DATA_FIELDS.items():
+        section, field = new.split(".")
+        out[old] = data[section][field]
+    return out
+
+
+def test_a_saved_data_section_with_a_field_in_both_layouts_is_refused():
+    saved = parse(tiny_config("/nonexistent")).to_json()
+    saved["data"]["max_number"] = 5
+    with pytest.raises(ConfigError, match="both data.max_number and data.number_words.max_number"):
+        RunConfig.from_json(saved)
 
 
 def test_the_workdir_reader_migrates_and_the_writer_writes_the_new_format(tmp_path):

@@ -110,7 +110,7 @@ def test_a_vocabulary_of_the_training_split_lacks_the_unseen_characters(generate
 def test_load_splits_with_a_data_config(tmp_path):
     config = names_config.get_config()
     config.data.tfds_dir = str(tmp_path / "tfds")
-    config.data.names_train, config.data.names_valid, config.data.names_test = 300, 20, 30
+    config.data.names.train, config.data.names.valid, config.data.names.test = 300, 20, 30
     config.data.seed = 3
     splits = datasets.load_splits(run_config.parse(config).data)
     assert {s: len(v) for s, v in splits.items()} == {"train": 300, "validation": 20, "test": 30}
@@ -129,10 +129,10 @@ def test_load_splits_with_a_data_config(tmp_path):
 def test_names_config_fields_are_checked():
     config = names_config.get_config()
     run = run_config.parse(config)
-    assert run.data.dataset == "names" and run.data.names_train == 20_000
+    assert run.data.dataset == "names" and run.data.names.train == 20_000
     assert not run.data.source_lang  # the generated task needs no languages
-    config.data.names_train = 0
-    with pytest.raises(ConfigError, match="data.names_train must be a positive integer"):
+    config.data.names.train = 0
+    with pytest.raises(ConfigError, match="data.names.train must be a positive integer"):
         run_config.validate(config)
 
 

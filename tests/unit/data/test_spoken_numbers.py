@@ -75,18 +75,19 @@ def test_prepared_data_is_reused_without_synthesis(tone_splits, monkeypatch):
     assert example["target"].decode() == num2words(_number(example), lang=lang)
 
 
-def _speech_config(**data):
+def _speech_config(tfds_dir="", **options):
+    """configs/default.py on spoken_numbers, with data.spoken_numbers fields `options`."""
     config = default.get_config()
-    config.data.dataset = "spoken_numbers"
+    config.data.dataset, config.data.tfds_dir = "spoken_numbers", tfds_dir
     config.model.input_features = 80
-    for k, v in data.items():
-        setattr(config.data, k, v)
+    for k, v in options.items():
+        setattr(config.data.spoken_numbers, k, v)
     return config
 
 
 def test_without_espeak_the_loader_fails_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(speech_synthesis, "available", lambda: False)
-    config = _speech_config(tfds_dir=str(tmp_path), speech_numbers=5)
+    config = _speech_config(tfds_dir=str(tmp_path), numbers=5)
     parsed = run_config.parse(config)
     with pytest.raises(ConfigError, match=r"spoken_numbers: .*pip install '\.\[speech\]'") as e:
         datasets.load_splits(parsed.data)
@@ -96,10 +97,10 @@ def test_without_espeak_the_loader_fails_in_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(speech_target="letters"), "data.speech_target"),
-        (dict(speech_numbers=2000), "data.speech_numbers=2000"),
-        (dict(speech_languages=("en", "xx")), "data.speech_languages has 'xx'"),
-        (dict(num_mels=40), "model.input_features=80 .* data.num_mels=40"),
+        (dict(target="letters"), "data.spoken_numbers.target"),
+        (dict(numbers=2000), "data.spoken_numbers.numbers=2000"),
+        (dict(languages=("en", "xx")), "data.spoken_numbers.languages has 'xx'"),
+        (dict(num_mels=40), "model.input_features=80 .* data.spoken_numbers.num_mels=40"),
     ],
 )
 def test_config_errors_name_the_field(change, message):
