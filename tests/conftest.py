@@ -51,25 +51,18 @@ def optimised_xla_flags() -> str:
     return " ".join(f for f in flags if f not in _FAST_COMPILE)
 
 
-# Many tests compile the same tiny programs (a train step, a search) in fresh jit wrappers,
-# in both test workers, or in train.py subprocesses: JAX's persistent compilation cache, in
-# one directory for the whole test session, compiles each once. The executables are the
-# same programs; only their compile time is saved. With a size limit set, JAX reads and
-# writes the cache's files under a file lock (the `filelock` package), so the workers and
-# the subprocesses they start (which inherit it through the environment) share it safely;
-# processes of one multi-process job are still started without it
-# (`without_compilation_cache`), as a job on a cluster would be.
-_SESSION_CACHE = "FLAXFORMER_LITE_TEST_JAX_CACHE"  # set by the first process (workers inherit)
-if _SESSION_CACHE not in os.environ:
-    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="flaxformer-lite-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
-_JAX_CACHE = os.environ[_SESSION_CACHE]
-_CACHE_BYTES = 8 << 30  # far more than the suite writes: a limit only to get the locking
+# Many tests compile the same tiny programs (a train step, a search) in fresh jit wrappers
+# or in train.py subprocesses: JAX's persistent compilation cache, in a directory of this
+# test worker alone, compiles each once. The executables are the same programs; only their
+# compile time is saved. Subprocesses inherit it through the environment; those that run
+# side by side (a multi-process job) are started without it (`without_compilation_cache`):
+# the cache's files are not written atomically.
+_JAX_CACHE = tempfile.mkdtemp(prefix="flaxformer-lite-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
 COMPILATION_CACHE_ENV = {
     "JAX_COMPILATION_CACHE_DIR": _JAX_CACHE,
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(_CACHE_BYTES),
 }
 os.environ.update(COMPILATION_CACHE_ENV)
 
@@ -89,7 +82,6 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", _CACHE_BYTES)
 
 
 _enable_compilation_cache()
