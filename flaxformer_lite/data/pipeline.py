@@ -56,40 +56,19 @@ def make_dataset(
     process_index: int = 0,
     process_count: int = 1,
 ) -> FixedBatches:
-    """Builds a random-access dataset of fixed-shape batches from a split.
+    """Random-access fixed-shape batches of a split: ``ds[i]`` is batch ``i``, a dict of
+    ``"inputs"`` ``int32[batch_size, max_source_len]``, ``"targets"``
+    ``int32[batch_size, max_target_len]`` and ``"valid"`` ``bool[batch_size]``.
 
-    Element ``i`` of the returned dataset is batch ``i``: a dict with ``"inputs"``
-    ``int32[batch_size, max_source_len]``, ``"targets"`` ``int32[batch_size, max_target_len]``
-    and ``"valid"`` ``bool[batch_size]``. Over-long examples are truncated so that EOS stays
-    their last id (see :func:`count_truncated`).
-
-    Batch ``i`` is a pure function of ``(source, tokenizer, arguments, i)``: ``ds[step]`` gives
-    exactly what iterating ``ds`` would give at that step, so a training run resumes at step
-    ``s`` by reading ``ds[s], ds[s + 1], ...`` (or ``ds.iter_from(s)``) with no iterator state
-    to checkpoint.
-
-    Args:
-        source: random-access sequence of ``{"source": str | bytes, "target": str | bytes}``.
-        tokenizer: tokenizer with the reserved ids of :mod:`flaxformer_lite.data.tokenizer`
-            (shared), or a :class:`Vocabularies` pair (sources and targets each their own).
-        batch_size: rows per batch.
-        max_source_len: columns of ``"inputs"``.
-        max_target_len: columns of ``"targets"``.
-        seed: shuffle seed; unused when ``shuffle`` is False.
-        shuffle: visit the examples in a seeded random order (a new order each epoch when
-            ``repeat``).
-        repeat: repeat forever; the dataset length is then effectively infinite and batches run
-            across epoch boundaries, so every batch is full.
-        drop_remainder: drop a final partial batch instead of padding it with rows whose
-            ``valid`` is False. Irrelevant when ``repeat``.
-        process_index, process_count: this process ``p`` in ``[0, P)``, and ``P``. Batch ``i``
-            is then only rows ``[p * B / P, (p + 1) * B / P)`` of global batch ``i`` (arrays
-            ``[B / P, ...]``; only those examples are read and tokenized). ``batch_size`` must be
-            a multiple of ``P``, and with ``P > 1`` a final partial batch is dropped (``repeat``
-            or ``drop_remainder`` is required).
-
-    Returns:
-        A :class:`~.batching.FixedBatches` of batch dicts (random access and ``len``).
+    Batch ``i`` is a pure function of the arguments and ``i``, so a run resumes at step ``s``
+    by reading ``ds[s], ds[s + 1], ...`` with no iterator state to checkpoint. Over-long
+    examples are truncated with EOS kept last (:func:`count_truncated`). ``tokenizer`` is
+    one shared tokenizer or a :class:`Vocabularies` pair. ``shuffle``: a seeded order, new
+    each epoch when ``repeat`` (then batches run across epochs and every one is full);
+    otherwise a final partial batch is dropped (``drop_remainder``) or padded with rows
+    whose ``valid`` is False. With ``process_count`` P > 1, process p gets (and tokenizes)
+    only rows ``[p * B / P, (p + 1) * B / P)`` of each global batch; ``batch_size`` must be
+    a multiple of P, and ``repeat`` or ``drop_remainder`` is required.
     """
     _check_batch_arguments(
         batch_size,
