@@ -7,6 +7,7 @@ the `e2e` marker (`-m e2e` runs them alone, `-m "not e2e"` the unit tests alone)
 
 import atexit
 import fcntl
+import json
 import os
 import pathlib
 import shutil
@@ -217,3 +218,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(_E2E):
             item.add_marker(pytest.mark.e2e)
+
+
+def device_env(devices: int) -> dict:
+    """This environment for a CPU process with `devices` simulated devices (the suite's
+    other XLA flags kept)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+
+
+def run_checks(script: str, devices: int, out, *args: str) -> tuple[dict, object, str]:
+    """Runs `script` (argv: ROOT, *args, out) on `devices` simulated devices; it writes each
+    check's outcome ("checked" or its traceback) to out/checks.json.
+
+    Returns (outcome of each check, out, the process's output).
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", script, ROOT, *args, str(out)],
+        env=device_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads((out / "checks.json").read_text()), out, result.stdout
+
+
+def assert_checked(checked: tuple[dict, object, str], name: str) -> None:
+    """Check `name` of a `run_checks` result passed (else its traceback and the output)."""
+    outcome, _, stdout = checked
+    assert outcome[name] == "checked", f"{outcome[name]}\n{stdout[-3000:]}"

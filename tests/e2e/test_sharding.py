@@ -10,13 +10,10 @@ model and optimiser stepped on fixed batches through the calls the training loop
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, assert_params_close
+from conftest import assert_checked, assert_params_close, run_checks
 
 DEVICES = 8
 
@@ -264,32 +261,10 @@ with open(f"{out}/checks.json", "w") as f:
 """
 
 
-def device_env(devices: int) -> dict:
-    """This environment for a CPU process with `devices` simulated devices (the suite's
-    other XLA flags kept)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
-
-
 @pytest.fixture(scope="module")
 def checked(tfds_dir, tmp_path_factory):
     """(outcome of each check, output directory, the process's output)."""
-    out = tmp_path_factory.mktemp("sharding")
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, ROOT, tfds_dir, str(out)],
-        env=device_env(DEVICES),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return json.loads((out / "checks.json").read_text()), out, result.stdout
-
-
-def _passed(checked, name: str) -> None:
-    outcome, _, stdout = checked
-    assert outcome[name] == "checked", f"{outcome[name]}\n{stdout[-3000:]}"
+    return run_checks(SCRIPT, DEVICES, tmp_path_factory.mktemp("sharding"), tfds_dir)
 
 
 def _params(checked, name: str) -> dict:
@@ -297,7 +272,7 @@ def _params(checked, name: str) -> dict:
 
 
 def _trained_equal_to_one_device(checked, name: str) -> None:
-    _passed(checked, "train_steps")
+    assert_checked(checked, "train_steps")
     one = _params(checked, "one")
     assert_params_close(_params(checked, name), one)
     losses = json.loads((checked[1] / "losses.json").read_text())
@@ -322,15 +297,15 @@ def test_fsdp_and_model_sharding_equal_one_device(checked):
 def test_tensor_parallel_step_gathers_no_kernel(checked):
     """model=2 alone (no fsdp): the heads/mlp/vocab splits carry through every matmul,
     including the merged [D, N*3*H] Q/K/V projection, so no weight is ever gathered."""
-    _passed(checked, "tensor_parallel")
+    assert_checked(checked, "tensor_parallel")
 
 
 def test_activations_stay_in_the_batch_layout(checked):
     """fsdp=8: only weights (and scalars) cross devices, no [B*T, ...] activation; on a
     2x2x2 mesh XLA never falls back to replicating an array to change its layout."""
-    _passed(checked, "activation_layout")
+    assert_checked(checked, "activation_layout")
 
 
 def test_a_dimension_the_mesh_cannot_split_is_a_config_error(checked):
     """Not silently replicated: the error names the parameter, the field and the mesh axis."""
-    _passed(checked, "mesh_errors")
+    assert_checked(checked, "mesh_errors")

@@ -5,14 +5,9 @@ jax start-up): one JAX start-up for the file, each check on a mesh over its firs
 devices (`make_mesh(n)`).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import assert_checked, run_checks
 
 # argv: repository root, output directory. Each check is a function; the script records
 # "checked" or the traceback of each in checks.json.
@@ -103,32 +98,11 @@ with open(f"{out}/checks.json", "w") as f:
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
     """(outcome of each check, output directory, the process's output)."""
-    out = tmp_path_factory.mktemp("sharded_decoding")
-    # The suite's XLA flags, with 8 devices.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=8"]),
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, ROOT, str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return json.loads((out / "checks.json").read_text()), out, result.stdout
-
-
-def _passed(checked, name: str) -> None:
-    outcome, _, stdout = checked
-    assert outcome[name] == "checked", f"{outcome[name]}\n{stdout[-3000:]}"
+    return run_checks(SCRIPT, 8, tmp_path_factory.mktemp("sharded_decoding"))
 
 
 def test_fsdp_and_model_sharded_decoding_equals_one_device(checked):
-    _passed(checked, "fsdp_and_model")
+    assert_checked(checked, "fsdp_and_model")
     got = dict(np.load(checked[1] / "decoded.npz"))
     for method in ("greedy", "beam"):
         one, mesh = got[f"{method}_one_tokens"], got[f"{method}_mesh_tokens"]
@@ -143,4 +117,4 @@ def test_fsdp_and_model_sharded_decoding_equals_one_device(checked):
 def test_beam_loop_moves_no_cache_between_devices(checked):
     """With the batch split 8 ways, the beam loop's only collective is the done flags'
     all-reduce (no all-gather of the cache or the log-probs), and results are unchanged."""
-    _passed(checked, "beam_loop")
+    assert_checked(checked, "beam_loop")
