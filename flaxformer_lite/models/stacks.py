@@ -253,20 +253,24 @@ class Decoder(nn.Module):
         """Decodes `tokens` int[B, T] at positions [index, index + T) with a KV cache.
 
         Args:
-          source_valid: bool[B, S], the encoder positions that hold input.
+          source_valid: bool[B, S], the encoder positions that hold input; or bool[B / K,
+            S] with `cross_kv` of B / K rows, each shared by K consecutive rows (beams).
           features: also return the copy head's inputs (`_outputs`).
         Returns:
           (logits float32[B, T, V], updated cache), with `features` (logits, cache,
           features). Cache layout in `models/transformer.py`'s docstring.
         """
-        index = cache["index"]
+        index = cache["index"]  # int32 scalar, or int32[B]: each row at its own position
         batch, length = tokens.shape
-        positions = index + jnp.arange(length)  # [T]
+        positions = index[..., None] + jnp.arange(length)  # [T] or [B, T]
         cache_len = cache["layers"][0]["v"].shape[2]  # values [B, N, L, H]
         self_mask = masks.cache_mask(positions, cache_len, batch, self.config.decoder_window)
-        cross_mask = masks.cross_mask(source_valid, length)  # [B, T, S]
+        # Beams of a sentence (rows b*K..b*K+K-1) may share its cross K/V row b: the
+        # cross-attention then sees K*T queries per sentence.
+        beams = batch // source_valid.shape[0]
+        cross_mask = masks.cross_mask(source_valid, beams * length)  # [B / K, K*T, S]
         embedded = self.embed(tokens)
-        y = self.positions(embedded, positions[None, :])
+        y = self.positions(embedded, positions if index.ndim else positions[None, :])
         new_layers = []
         for i, (layer_cache, kv) in enumerate(zip(cache["layers"], cross_kv, strict=True)):
             args = (y, None, self_mask, cross_mask)

@@ -22,8 +22,9 @@ Decoding state (the only cache layout in the project):
   cache = {
     "layers": [{"k": [B, N, H, L], "v": [B, N, L, H]}] * num_decoder_layers,
     "index": int32 scalar,  # positions already written; the next token's position
-  }
+  }                         # (or int32[B]: each row at its own position, `serving/`)
   cross_kv = [(k [B, N, H, S], v [B, N, S, H])] * num_decoder_layers
+                            # (or B / K rows, each shared by K consecutive beams)
 
 Heads come first and keys are stored transposed (the teacher-forced path keeps
 [B, S, N, H]): a step's attention then reads every cache tensor once, as it lies

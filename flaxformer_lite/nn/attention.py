@@ -114,6 +114,25 @@ def cached_attention(
     return out, weights
 
 
+def _beams_over_one_source(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`cached_attention` where K = q.shape[0] / k.shape[0] query rows (the beams of one
+    sentence, rows b*K..b*K+K-1) share keys/values row b: cross-attention K/V are then kept
+    once per sentence, not per beam, and read once per step for all its beams.
+
+    mask: bool[k batch, K*T, kv_len] when K > 1. Returns (out [q batch, T, N, H],
+    weights float32[q batch, N, T, kv_len]) as `cached_attention`.
+    """
+    (bq, t, n, h), b = q.shape, k.shape[0]
+    if bq == b:
+        return cached_attention(q, k, v, mask)
+    beams = bq // b
+    out, weights = cached_attention(q.reshape(b, beams * t, n, h), k, v, mask)
+    weights = weights.reshape(b, n, beams, t, -1).swapaxes(1, 2).reshape(bq, n, t, -1)
+    return out.reshape(bq, t, n, -1), weights
+
+
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
     """The probabilities of `batched_attention` alone: float32[batch, heads, q_len, kv_len].
 
@@ -243,7 +262,7 @@ class MultiHeadAttention(nn.Module):
         capture = self.capture and self.is_mutable_collection("intermediates")
         dropout = cfg.attention_dropout_rate > 0.0 and not deterministic
         if cache is not None or cross_kv is not None:  # decoding: k [B, N, H, S], v [B, N, S, H]
-            out, weights = cached_attention(q, k, v, dense(mask))
+            out, weights = _beams_over_one_source(q, k, v, dense(mask))
             if capture:
                 self.sow("intermediates", "attention_weights", weights)
         else:
@@ -320,7 +339,11 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (qkv[:, :, i] for i in range(3))  # each [B, T, N, H]
         i = cache["index"]  # keys [B, N, H, L], values [B, N, L, H]
         k = k.transpose(0, 2, 3, 1).astype(cache["k"].dtype)  # [B, N, H, T]
-        k = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, i))
         v = v.swapaxes(1, 2).astype(cache["v"].dtype)  # [B, N, T, H]
-        v = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, i, 0))
+        if i.ndim:  # int32[B]: each row writes at its own position (a continuous batch)
+            write = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))
+            k, v = write(cache["k"], k, i, 2), write(cache["v"], v, i, 1)
+        else:
+            k = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, i))
+            v = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, i, 0))
         return q, k, v, {"k": k, "v": v, "index": cache["index"] + x.shape[1]}

@@ -147,16 +147,17 @@ def cache_mask(positions: jax.Array, cache_len: int, batch: int, window: int = 0
     empty slots beyond the last written one.
 
     Args:
-      positions: int32[T] absolute positions of the new tokens.
+      positions: int32[T] absolute positions of the new tokens, shared by the rows, or
+        int32[B, T], each row at its own position (rows of a continuous batch).
       window: > 0: also hide slots more than `window` positions back (the decoder's band).
     Returns:
       bool[B, T, L].
     """
-    slots = jnp.arange(cache_len)[None, :]  # [1, L]
-    mask = slots <= positions[:, None]  # [T, L]
+    slots = jnp.arange(cache_len)  # [L]
+    mask = slots <= positions[..., None]  # [T, L] or [B, T, L]
     if window:
-        mask = mask & (slots >= positions[:, None] - window)
-    return jnp.broadcast_to(mask, (batch, *mask.shape))
+        mask = mask & (slots >= positions[..., None] - window)
+    return jnp.broadcast_to(mask, (batch, *mask.shape[-2:]))
 
 
 class Masks(NamedTuple):
