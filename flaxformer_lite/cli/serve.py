@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import sys
 from collections.abc import Callable
+
+import uvicorn
 
 from flaxformer_lite.serving import engine as engine_lib
 from flaxformer_lite.serving.service import Limits, Translator
 from flaxformer_lite.translate import line_io
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that the SIGTERM or SIGINT it drained on is not raised again
+    once it stopped (uvicorn re-raises it, so the process would die of the signal instead of
+    exiting 0 after answering every request)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +109,7 @@ def build(o: Options) -> Translator:
 
 
 def run(o: Options, on_ready: Callable[[], object] = lambda: None) -> None:
-    """Serves until SIGINT/SIGTERM; requests in flight are answered before it exits."""
-    import uvicorn
-
+    """Serves until SIGINT/SIGTERM; requests in flight are answered before it returns."""
     from flaxformer_lite.serving.app import make_app
 
     translator = build(o)
@@ -107,5 +125,5 @@ def run(o: Options, on_ready: Callable[[], object] = lambda: None) -> None:
         f"serving {o.workdir} on http://{o.host}:{o.port} ({o.batching} batching, "
         f"{o.slots} slots per pool, beams <= {o.beam_size})"
     )
-    uvicorn.Server(config).run()
+    DrainingServer(config).run()
     log("drained and stopped")
