@@ -173,3 +173,13 @@ def test_other_model_kinds_align_through_the_protocol(loaded, variant):
         words = {w for w in word_alignment.piece_words(h.tokens) if w is not None}
         assert {j for _, j in h.alignment} == words == set(range(len(words)))
     assert Vocabularies.of(vocab).shared
+
+
+def test_alignment_is_refused_for_speech_and_for_a_layer_out_of_range(loaded):
+    model, params, vocab, run_config = loaded
+    search = runner.make_search(run_config, beam_size=1)
+    with pytest.raises(line_io.InputError, match="--alignment_layer -2 is out of range for 1"):
+        LineDecoder(model, params, vocab, run_config, search, alignment_layer=-2)
+    speech = dataclasses.replace(run_config, model=run_config.model.replace(input_features=8))
+    with pytest.raises(line_io.InputError, match="source is audio frames"):
+        LineDecoder(model, params, vocab, speech, search, alignment_layer=-1)
