@@ -8,12 +8,14 @@ python decode.py --workdir workdirs/default --input in.txt --reference ref.txt -
 python decode.py --workdir workdirs/default --input in.txt --reference ref.txt --report
 python decode.py --workdir workdirs/nat --input in.txt --iterations 10 --length_beam 3
 python decode.py --workdir workdirs/speech --input wavs.txt --reference words.txt  # + WER
+python decode.py --workdir workdirs/default --input in.txt --format jsonl --nbest 2 --alignment
+python decode.py --workdir workdirs/default --interactive --beam_size 1  # answers line by line
 """
 
 import sys
 
 from absl import app, flags, logging
-from absl.flags import DEFINE_bool, DEFINE_float, DEFINE_integer, DEFINE_string
+from absl.flags import DEFINE_bool, DEFINE_enum, DEFINE_float, DEFINE_integer, DEFINE_string
 
 from flaxformer_lite.cli import common, compilation_cache
 
@@ -35,6 +37,34 @@ REPORT_HELP = (
 
 
 NAT_HELP = "Non-autoregressive workdirs: "
+
+
+FORMAT_HELP = (
+    "text: one line per input line (with --nbest: hyp<TAB>score<TAB>...). jsonl: one JSON "
+    'object per input line, in order: {"line": its 1-based number, "source": the line, '
+    '"hypotheses": [{"text", "score", "tokens": the generated pieces}, ...]}, --nbest of them '
+    'best first; a blank line gives "hypotheses": []. The score is what the search ranks by: '
+    "beam search's length-normalised log-probability, Mask-Predict's mean token "
+    "log-probability; greedy decoding and sampling track none: null."
+)
+
+
+ALIGNMENT_HELP = (
+    "Word alignments, Moses-style 'i-j' pairs (source word i, target word j, 0-based): the "
+    "cross-attention of decoder layer --alignment_layer, averaged over its heads, in a "
+    "teacher-forced pass over the source and each hypothesis; every target piece links to "
+    "the source piece it attends to most (EOS and padding left out), pieces grouped into "
+    "words at '▁'. text: a tab and the pairs after each hypothesis; jsonl: an "
+    '"alignment" list of [i, j] per hypothesis.'
+)
+
+
+INTERACTIVE_HELP = (
+    "Answer each input line as soon as it is read, flushing stdout (for a program that writes "
+    "a line and waits for its answer); the default when stdin is a terminal. One output line "
+    "per input line; a refused line (over-long under --strict) gets an empty line or a JSON "
+    '"error". Refuses --output, --reference, --score, --report and --attention_png.'
+)
 
 
 def define_flags() -> None:
@@ -84,6 +114,12 @@ def define_flags() -> None:
         None,
         NAT_HELP + "Multiplies predicted lengths: 0.5 shorter, 2 longer (default 1).",
     )
+    DEFINE_enum("format", "text", ["text", "jsonl"], FORMAT_HELP)
+    DEFINE_bool("alignment", False, ALIGNMENT_HELP)
+    DEFINE_integer(
+        "alignment_layer", -1, "Decoder layer whose cross-attention --alignment reads (-1: last)."
+    )
+    DEFINE_bool("interactive", False, INTERACTIVE_HELP)
 
 
 @common.friendly_errors

@@ -1,18 +1,30 @@
 """What `decode.py` does with its flag values: decode, or with `score` force-decode, a file.
 
 With `report`, decoding is greedy and the exposure-bias report of the output
-against the references follows (`translate/exposure.py`).
+against the references follows (`translate/exposure.py`). With `interactive`
+(or a terminal as input) each line is answered as soon as it is read
+(`translate/interactive.py`); both modes write `translate/records.py`'s lines.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 
 from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.models import from_config
-from flaxformer_lite.translate import exposure, input_lines, line_io, reports, runner
+from flaxformer_lite.translate import (
+    exposure,
+    input_lines,
+    interactive,
+    line_decoder,
+    line_io,
+    records,
+    reports,
+    runner,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +57,10 @@ class Options:
     iterations: int | None = None  # non-autoregressive workdirs only
     length_beam: int | None = None
     length_scale: float | None = None
+    format: str = "text"  # one of records.FORMATS
+    alignment: bool = False
+    alignment_layer: int = -1
+    interactive: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -63,7 +79,35 @@ def _check_options(o: Options) -> None:
         raise line_io.InputError("--score_tokens applies to --score only")
     if o.score and o.attention_png:
         raise line_io.InputError("--attention_png plots decoding: drop it or --score")
+    if o.format not in records.FORMATS:
+        raise line_io.InputError(f"--format {o.format!r}: one of {', '.join(records.FORMATS)}")
+    if o.score and (o.alignment or o.format != "text"):
+        raise line_io.InputError("--alignment and --format apply to decoding: drop them or --score")
+    if o.interactive:
+        whole_input = ("reference", "score", "report", "attention_png")
+        given = [f"--{k}" for k in whole_input if getattr(o, k)]
+        given += ["--output"] if o.output not in (None, "-") else []
+        if given:
+            raise line_io.InputError(
+                f"--interactive answers each line on stdout as it is read; {given[0]} needs "
+                "the whole input: drop one of them"
+            )
     exposure.check_options(o)
+
+
+def _is_interactive(o: Options) -> bool:
+    """--interactive, or standard input is a terminal and nothing needs the whole input:
+    a person typing expects each answer at once, while a pipe may carry a whole file
+    (decoded faster in batches; a program that waits for each answer passes --interactive)."""
+    if o.interactive:
+        return True
+    whole_input = o.reference or o.score or o.report or o.attention_png
+    if o.input not in (None, "-") or o.output not in (None, "-") or whole_input:
+        return False
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, OSError, ValueError):  # a closed or replaced stdin
+        return False
 
 
 def _check_speech_options(o: Options) -> None:
@@ -127,12 +171,17 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     if o.attention_png:
         num_layers = run_config.model.num_decoder_layers
         reports.check_attention_layer(o.attention_layer, num_layers)
+    if o.alignment:
+        line_decoder.check_alignment(run_config, o.alignment_layer)
+    if _is_interactive(o):
+        _interactive(o, run_config, tokenizer, search, on_inputs_checked)
+        return
     lines, references, num_invalid = _read_inputs(o)
     if not lines:
         line_io.write_lines(o.output, [])
         log("input is empty: nothing to decode")
         return
-    sources = _sources(o, run_config, tokenizer, lines)
+    sources = input_lines.sources_of_lines(tokenizer, lines, run_config, strict=o.strict)
     for warning in reports.input_warnings(num_invalid, sources, run_config.data.max_source_len):
         log(warning)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
@@ -141,7 +190,8 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     if o.score:
         _score(o, model, params, tokenizer, run_config, sources, references)
     else:
-        _decode(o, model, params, tokenizer, run_config, sources, search, references)
+        decoder = _line_decoder(o, model, params, tokenizer, run_config, search)
+        _decode(o, decoder, lines, sources, references)
 
 
 def _search(o: Options, run_config):
@@ -178,37 +228,49 @@ def _read_inputs(o: Options) -> tuple[list[str], list[str] | None, int]:
     return lines, references, num_invalid
 
 
-def _sources(o: Options, run_config, tokenizer, lines: list[str]):
-    """The input lines as the model's sources: WAV features for a speech workdir, else ids
-    (with the copy head's extended ids, as in training)."""
-    max_source_len = run_config.data.max_source_len
-    copy_head = run_config.copy is not None  # extended ids, as in training
-    if input_lines.is_speech(run_config):
-        return input_lines.features_of_lines(lines, run_config, max_source_len)
-    return input_lines.tokenize_lines(
-        tokenizer, lines, max_source_len, strict=o.strict, extended=copy_head
+def _line_decoder(o: Options, model, params, tokenizer, run_config, search):
+    return line_decoder.LineDecoder(
+        *(model, params, tokenizer, run_config, search),
+        **{k: getattr(o, k) for k in ("nbest", "batch_size", "seed", "strict")},
+        alignment_layer=o.alignment_layer if o.alignment else None,
     )
 
 
-def _decode(o, model, params, tokenizer, run_config, sources, search, references) -> None:
+def _interactive(o: Options, run_config, tokenizer, search, on_inputs_checked) -> None:
+    """Answers each input line as it is read (`interactive.serve`), until the input ends."""
+    from flaxformer_lite.training import restore
+
+    params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
+    on_inputs_checked()
+    model = from_config.build_model(run_config)
+    decoder = _line_decoder(o, model, params, tokenizer, run_config, search)
+    log("interactive: one answer per input line, as each line is read")
+    stream = sys.stdin.buffer if o.input in (None, "-") else open(o.input, "rb")  # noqa: SIM115
+    try:
+        count = interactive.serve(
+            decoder, stream, sys.stdout.buffer, output_format=o.format, log=log
+        )
+    except BrokenPipeError:  # the reader went away: nobody is left to answer
+        # Python's advice: point stdout at /dev/null, so the flush at exit cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+    log(f"answered {count} line(s)")
+
+
+def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references) -> None:
+    model, params = decoder.model, decoder.params
+    tokenizer, run_config = decoder.tokenizer, decoder.run_config
     targets = None
     if o.report:  # the references' checks come before decoding
         targets = exposure.tokenize_references(
             tokenizer, references, run_config, strict=o.strict, log=log, oov=sources.oov
         )
-    result = runner.decode_lines(
-        model,
-        params,
-        tokenizer,
-        run_config,
-        sources,
-        search=search,
-        batch_size=o.batch_size,
-        nbest=o.nbest,
-        seed=o.seed,
-        progress=None,  # a bar only on a terminal
-    )
-    line_io.write_lines(o.output, [line_io.format_line(h, o.nbest) for h in result.hypotheses])
+    # progress=None: a bar only on a terminal.
+    decoded, result = decoder.decode(lines, sources=sources, progress=None)
+    line_io.write_lines(o.output, [records.format_record(d, o.format, o.nbest) for d in decoded])
     log(reports.summary(result))
     if references is not None:
         log(reports.bleu_report(result.texts, references))
@@ -231,7 +293,7 @@ def _decode(o, model, params, tokenizer, run_config, sources, search, references
     if o.report:
         report = exposure.report_lines(
             *(model, params, run_config, sources, targets, result.output_ids),
-            search=search,
+            search=decoder.search,
             batch_size=o.batch_size,
             # Re-tokenizing text would lose the copy head's extended ids.
             target_vocab=None if sources.oov is not None else Vocabularies.of(tokenizer).target,

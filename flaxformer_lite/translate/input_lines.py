@@ -24,6 +24,7 @@ def tokenize_lines(
     *,
     strict: bool = False,
     extended: bool = False,
+    first_number: int = 1,
 ) -> Sources:
     """Source ids as training makes them: `encode(line) + [EOS]`, at most `max_source_len`.
 
@@ -34,13 +35,14 @@ def tokenize_lines(
     `max_source_len` ids with EOS kept last, or with `strict` refused.
 
     Raises:
-      InputError: `strict` and some line is too long (names the first line numbers, 1-based).
+      InputError: `strict` and some line is too long (names the first line numbers,
+        counted from `first_number`).
     """
     encoder = Vocabularies.of(tokenizer).source
     extension = ExtendedVocabulary(encoder) if extended else None
     out = Sources(ids=[], oov=[] if extended else None)
     too_long = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(lines, start=first_number):
         ids = encoder.encode(line) if line.strip() else []
         if extension is not None:
             out.oov.append(())
@@ -62,7 +64,9 @@ def tokenize_lines(
     return out
 
 
-def features_of_lines(lines: Sequence[str], run_config: RunConfig, max_source_len: int) -> Sources:
+def features_of_lines(
+    lines: Sequence[str], run_config: RunConfig, max_source_len: int, first_number: int = 1
+) -> Sources:
     """A speech workdir's input: each line is a WAV path, read into the features training
     used (`audio_features.speech_features` with the run's `data.spoken_numbers.num_mels`), at most
     `max_source_len` frames (longer ones are cut, and counted). Blank lines are not decoded.
@@ -70,13 +74,14 @@ def features_of_lines(lines: Sequence[str], run_config: RunConfig, max_source_le
     Sources.ids then holds float32[K, F] per line ([] for a blank one).
 
     Raises:
-      InputError: a file is missing, unreadable, or not 16-bit PCM mono WAV (names the line).
+      InputError: a file is missing, unreadable, or not 16-bit PCM mono WAV (names the line,
+        counted from `first_number`).
     """
     from flaxformer_lite.data import audio_features
 
     num_mels = run_config.data.spoken_numbers.num_mels
     out = Sources(ids=[])
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(lines, start=first_number):
         path = line.strip()
         if not path:
             out.ids.append([])
@@ -95,3 +100,32 @@ def features_of_lines(lines: Sequence[str], run_config: RunConfig, max_source_le
 def is_speech(run_config: RunConfig) -> bool:
     """Whether a workdir's encoder reads speech features (its input lines are WAV paths)."""
     return bool(run_config.model.input_features)
+
+
+def sources_of_lines(
+    tokenizer: Tokenizer | Vocabularies,
+    lines: Sequence[str],
+    run_config: RunConfig,
+    *,
+    strict: bool = False,
+    first_number: int = 1,
+) -> Sources:
+    """The input lines as the model's sources: a speech workdir's WAV features, else ids
+    (with the copy head's extended ids, as in training), at most data.max_source_len.
+
+    Raises:
+      InputError: as `tokenize_lines` and `features_of_lines`, naming line numbers
+        counted from `first_number`.
+    """
+    max_source_len = run_config.data.max_source_len
+    if is_speech(run_config):
+        return features_of_lines(lines, run_config, max_source_len, first_number)
+    copy_head = run_config.copy is not None  # extended ids, as in training
+    return tokenize_lines(
+        tokenizer,
+        lines,
+        max_source_len,
+        strict=strict,
+        extended=copy_head,
+        first_number=first_number,
+    )

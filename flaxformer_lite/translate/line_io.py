@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
 from flaxformer_lite.atomic_files import atomic_write
@@ -50,16 +50,44 @@ def read_lines(source: str | os.PathLike | BinaryIO | None) -> tuple[list[str], 
         raw.pop()
     lines, invalid = [], 0
     for line in raw:
-        line = line.removesuffix(b"\r")
-        # NUL is valid UTF-8 but never text: it marks a binary or a UTF-16 file.
-        bad = b"\0" in line
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError:
-            text, bad = line.decode("utf-8", errors="replace"), True
+        text, bad = decode_line(line)
         invalid += bad
-        lines.append(text.replace("\0", "\ufffd"))
+        lines.append(text)
     return lines, invalid
+
+
+def decode_line(line: bytes) -> tuple[str, bool]:
+    """One line's bytes (without its "\n") as decoding sees them: (text, whether it had
+    bytes that are not text). A trailing "\r" is dropped; invalid UTF-8 and NUL become
+    U+FFFD."""
+    line = line.removesuffix(b"\r")
+    # NUL is valid UTF-8 but never text: it marks a binary or a UTF-16 file.
+    bad = b"\0" in line
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        text, bad = line.decode("utf-8", errors="replace"), True
+    return text.replace("\0", "\ufffd"), bad
+
+
+def stream_lines(stream: BinaryIO) -> Iterator[tuple[str, bool]]:
+    """`read_lines` one line at a time: yields (text, had bytes that are not text) as soon
+    as a line's "\n" (or the end of the stream) arrives, for interactive decoding.
+
+    The same lines as `read_lines` of the whole stream: a leading byte order mark is
+    dropped and a final newline makes no extra line.
+    """
+    first = True
+    while True:
+        line = stream.readline()
+        if not line:
+            return
+        if first and line.startswith(b"\xef\xbb\xbf"):
+            line = line[3:]
+            if not line:  # the stream held a byte order mark alone
+                return
+        first = False
+        yield decode_line(line.removesuffix(b"\n"))
 
 
 def write_lines(path: str | None, lines: Sequence[str]) -> None:

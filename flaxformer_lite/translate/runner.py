@@ -208,6 +208,11 @@ class DecodeResult:
     batch_shapes: set[tuple[int, int]]  # distinct (rows, length) source shapes sent to the model
     num_output_tokens: int = 0
     seconds: float = 0.0
+    # Per line, the generated ids of each n-best hypothesis (EOS included), best first.
+    nbest_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nbest_ids = self.nbest_ids or [[] for _ in self.hypotheses]
 
     @property
     def texts(self) -> list[str]:
@@ -223,9 +228,16 @@ class DecodeResult:
             self.hypotheses[i] = [
                 (detokenize(tokens[row, k], i), float(scores[row, k])) for k in kept
             ]
-            ids = [t for t in tokens[row, 0].tolist() if t != PAD_ID]  # as Tokenizer.decode
-            self.output_ids[i] = ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
+            self.nbest_ids[i] = [_generated(tokens[row, k]) for k in kept]
+            self.output_ids[i] = self.nbest_ids[i][0]
             self.num_output_tokens += len(self.output_ids[i])
+
+
+def _generated(row: np.ndarray) -> list[int]:
+    """The ids of one output row int32[max_len] up to and including its EOS, without
+    padding (as `Tokenizer.decode` reads them)."""
+    ids = [t for t in row.tolist() if t != PAD_ID]
+    return ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
 
 
 def progress_bar(total: int, desc: str, progress: bool | None):

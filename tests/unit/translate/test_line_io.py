@@ -1,6 +1,7 @@
 """translate/line_io.py and translate/reports.py: line I/O, path checks, messages (no model)."""
 
 import io
+import os
 import types
 
 import pytest
@@ -19,6 +20,39 @@ from flaxformer_lite.translate import bucketing, line_io, reports
 )
 def test_read_lines_from_a_file_object(data, lines, invalid):
     assert line_io.read_lines(io.BytesIO(data)) == (lines, invalid)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\n",
+        b"a\r\nb",
+        b"\xef\xbb\xbf",
+        b"\xef\xbb\xbf\n",
+        b"\xef\xbb\xbfa\n\xffb\n",
+        b"a\n\n\0\rc\r",
+    ],
+)
+def test_stream_lines_are_read_lines_one_at_a_time(data):
+    lines, invalid = line_io.read_lines(io.BytesIO(data))
+    streamed = list(line_io.stream_lines(io.BytesIO(data)))
+    assert [text for text, _ in streamed] == lines
+    assert sum(bad for _, bad in streamed) == invalid
+
+
+def test_stream_lines_yields_a_line_before_the_stream_ends():
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb") as writer:
+        lines = line_io.stream_lines(reader)
+        writer.write(b"first\nsec")
+        writer.flush()
+        assert next(lines) == ("first", False)  # the writer is still open
+        writer.write(b"ond\n")
+        writer.flush()
+        assert next(lines) == ("second", False)
+        writer.close()
+        assert list(lines) == []
 
 
 def test_write_lines_is_atomic_and_newline_terminated(tmp_path, capsys):
