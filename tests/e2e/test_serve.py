@@ -25,9 +25,7 @@ from flaxformer_lite.training import restore
 from flaxformer_lite.translate import runner
 
 LINES = [
-    f"{lang} {n}"
-    for n in (3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26)
-    for lang in ["en", "de"]
+    f"{lang} {n}" for n in (3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26) for lang in ["en", "de"]
 ]
 QUEUE = 8  # sentences waiting at most: the overload test passes it
 
