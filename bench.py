@@ -5,6 +5,7 @@ python bench.py --mode train --batch 16 --source_len 64 --target_len 64
 python bench.py --mode decode --json bench.json
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
 python bench.py --mode lower             # exported for cuda and tpu; collectives on 8 devices
+python bench.py --mode serve --serve_workdir W --serve_input test.en   # serve.py vs decode.py
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 python bench.py --mode decode --compare ctranslate2   # vs CTranslate2 on the same weights
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
@@ -25,11 +26,12 @@ from flaxformer_lite.cli import common, compilation_cache
 flags.DEFINE_enum(
     "mode",
     "all",
-    ["all", "train", "decode", "sweep", "input", "lower"],
+    ["all", "train", "decode", "sweep", "input", "lower", "serve"],
     "What to measure. input: the training input pipeline alone (needs --config); with "
     "--config, train also times it, and prints the examples/s of both. lower: export every "
     "program for cuda and tpu from this host and print its custom calls, float32 matmuls "
-    "and (on --lower_devices simulated devices) collectives.",
+    "and (on --lower_devices simulated devices) collectives. serve: serve.py under load "
+    "against decode.py on --serve_input (needs --serve_workdir).",
 )
 flags.DEFINE_integer(
     "input_batches", 50, "--mode input/train with --config: batches timed.", lower_bound=1
@@ -86,6 +88,11 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
+flags.DEFINE_string("serve_workdir", None, "--mode serve: the trained workdir to serve.")
+flags.DEFINE_string("serve_input", None, "--mode serve: source lines, one per request.")
+flags.DEFINE_integer("serve_clients", 32, "--mode serve: concurrent clients.", lower_bound=1)
+flags.DEFINE_integer("serve_slots", 32, "--mode serve: serve.py --slots.", lower_bound=1)
+flags.DEFINE_float("serve_duration", 20.0, "--mode serve: seconds of each open-loop load.")
 flags.DEFINE_enum(
     "compare",
     None,

@@ -341,14 +341,27 @@ def _decode(f, config, log) -> dict:
     )
 
 
+def _serve(f, log) -> dict:
+    """--mode serve: `benchmarks/serve_load.py` on --serve_input."""
+    from flaxformer_lite.benchmarks import serve_load
+    from flaxformer_lite.translate import line_io
+
+    if not f.serve_workdir or not f.serve_input:
+        raise line_io.InputError("--mode serve needs --serve_workdir and --serve_input")
+    lines, _ = line_io.read_lines(f.serve_input)
+    lines = [line for line in lines if line.strip()]
+    return {"serve": serve_load.run(f.serve_workdir, lines, clients=f.serve_clients,
+                                    slots=f.serve_slots, duration=f.serve_duration, log=log)}
+
+
 def run(opts: Options) -> dict:
     """Measures what the flags ask for, logs it, writes --json; returns the results."""
     from flaxformer_lite.cli import host_memory
 
     f = opts.flags
     log = (lambda s: print(s, file=sys.stderr)) if f.json == "/dev/stdout" else print
-    if f.length_sweep:
-        results = {"length_sweep": _length_sweep(opts, log)}
+    if f.mode == "serve" or f.length_sweep:
+        results = _serve(f, log) if f.mode == "serve" else {"length_sweep": _length_sweep(opts, log)}
         if f.json:
             with open(f.json, "w") as out:
                 json.dump(results, out, indent=2)

@@ -196,6 +196,10 @@ class Engine:
         self._thread.join(timeout)
 
     @property
+    def started(self) -> bool:
+        return self._thread.is_alive() or self._thread.ident is not None
+
+    @property
     def stopping(self) -> bool:
         """Whether `stop` was called (new work is refused)."""
         return self._stopping
@@ -297,7 +301,10 @@ def _stream(job: Job, ids: list[int]) -> None:
 
 
 def warm_up(engine: Engine) -> float:
-    """Compiles every admission bucket and the step of each pool; returns the seconds."""
+    """Compiles every admission bucket and the step of each pool, before `engine.start()`
+    (it drives the pools itself); returns the seconds."""
+    if engine.started:
+        raise RuntimeError("warm_up runs before Engine.start(), not while the engine runs")
     start = time.perf_counter()
     for name, pool in engine.pools.items():
         width = 1 if name == "greedy" else engine.beam_size
