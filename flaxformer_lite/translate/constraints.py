@@ -206,7 +206,7 @@ def _run(model, params, sources, search, phrase_ids, lengths, *, buckets, batch_
     whose `lengths` entry is nonzero, batched by source length as `runner.decode_lines`
     batches them; adds each batch's (rows, length) to `shapes`."""
     rows = bucketing.batch_rows(lengths, batch_size)
-    shape = padded_shape(phrase_ids)
+    shape, pending = padded_shape(phrase_ids), None
     for indices, length in bucketing.plan_batches(lengths, rows, buckets):
         inputs = bucketing.pad_rows(sources.ids, indices, rows, length)
         inputs, valid = inputs if isinstance(inputs, tuple) else (inputs, None)
@@ -219,7 +219,12 @@ def _run(model, params, sources, search, phrase_ids, lengths, *, buckets, batch_
             eos_id=model.eos_id,
             source_valid=valid,
         )
-        yield indices, tokens, scores
+        # Dispatch is asynchronous: the caller reads the previous batch while this one runs.
+        if pending is not None:
+            yield pending
+        pending = (indices, tokens, scores)
+    if pending is not None:
+        yield pending
 
 
 def decode_constrained(
