@@ -10,6 +10,7 @@ python decode.py --workdir workdirs/nat --input in.txt --iterations 10 --length_
 python decode.py --workdir workdirs/speech --input wavs.txt --reference words.txt  # + WER
 python decode.py --workdir workdirs/default --input in.txt --format jsonl --nbest 2 --alignment
 python decode.py --workdir workdirs/default --interactive --beam_size 1  # answers line by line
+python decode.py --workdir workdirs/default --input in.txt --constraints terms.txt  # must contain
 """
 
 import sys
@@ -67,6 +68,15 @@ INTERACTIVE_HELP = (
 )
 
 
+CONSTRAINTS_HELP = (
+    "File of target phrases every output must contain (terminology): one line per input "
+    "line, that line's phrases separated by tabs, an empty line for none. Lexically "
+    "constrained beam search (Dynamic Beam Allocation) with --beam_size beams; a phrase "
+    "matches where a target word starts. A line no hypothesis satisfies within --max_len "
+    "tokens is decoded without constraints, with a warning. Autoregressive workdirs only."
+)
+
+
 def define_flags() -> None:
     DEFINE_string("workdir", None, "Training workdir written by train.py.", required=True)
     DEFINE_string("step", "latest", "latest (default), latest-good, best, or a step number.")
@@ -120,6 +130,7 @@ def define_flags() -> None:
         "alignment_layer", -1, "Decoder layer whose cross-attention --alignment reads (-1: last)."
     )
     DEFINE_bool("interactive", False, INTERACTIVE_HELP)
+    DEFINE_string("constraints", None, CONSTRAINTS_HELP)
 
 
 @common.friendly_errors

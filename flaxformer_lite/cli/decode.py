@@ -16,6 +16,7 @@ from collections.abc import Callable
 from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.models import from_config
 from flaxformer_lite.translate import (
+    constraints,
     exposure,
     input_lines,
     interactive,
@@ -61,6 +62,7 @@ class Options:
     alignment: bool = False
     alignment_layer: int = -1
     interactive: bool = False
+    constraints: str | None = None  # tab-separated target phrases, one line per input line
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -72,7 +74,8 @@ def log(message: str) -> None:
 
 
 def _check_options(o: Options) -> None:
-    line_io.check_paths((("input", o.input), ("reference", o.reference)), o.output)
+    inputs = (("input", o.input), ("reference", o.reference), ("constraints", o.constraints))
+    line_io.check_paths(inputs, o.output)
     if o.score and not o.reference:
         raise line_io.InputError("--score needs --reference: the target lines to score")
     if o.score_tokens and not o.score:
@@ -84,7 +87,7 @@ def _check_options(o: Options) -> None:
     if o.score and (o.alignment or o.format != "text"):
         raise line_io.InputError("--alignment and --format apply to decoding: drop them or --score")
     if o.interactive:
-        whole_input = ("reference", "score", "report", "attention_png")
+        whole_input = ("reference", "score", "report", "attention_png", "constraints")
         given = [f"--{k}" for k in whole_input if getattr(o, k)]
         given += ["--output"] if o.output not in (None, "-") else []
         if given:
@@ -93,6 +96,7 @@ def _check_options(o: Options) -> None:
                 "the whole input: drop one of them"
             )
     exposure.check_options(o)
+    constraints.check_options(o)
 
 
 def _is_interactive(o: Options) -> bool:
@@ -101,7 +105,7 @@ def _is_interactive(o: Options) -> bool:
     (decoded faster in batches; a program that waits for each answer passes --interactive)."""
     if o.interactive:
         return True
-    whole_input = o.reference or o.score or o.report or o.attention_png
+    whole_input = o.reference or o.score or o.report or o.attention_png or o.constraints
     if o.input not in (None, "-") or o.output not in (None, "-") or whole_input:
         return False
     try:
@@ -144,8 +148,9 @@ def _check_model_kind(o: Options, non_autoregressive: bool) -> None:
                 "--report compares teacher forcing with autoregressive decoding; this workdir "
                 "holds a non-autoregressive model"
             )
-        if o.min_len:
-            raise line_io.InputError("--min_len applies to autoregressive workdirs only")
+        if o.min_len or o.constraints:
+            flag = "--min_len" if o.min_len else "--constraints"
+            raise line_io.InputError(f"{flag} applies to autoregressive workdirs only")
 
 
 def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> None:
@@ -184,6 +189,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     sources = input_lines.sources_of_lines(tokenizer, lines, run_config, strict=o.strict)
     for warning in reports.input_warnings(num_invalid, sources, run_config.data.max_source_len):
         log(warning)
+    phrase_ids = _read_constraints(o, len(lines), tokenizer, search)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
     on_inputs_checked()
     model = from_config.build_model(run_config)
@@ -191,7 +197,16 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
         _score(o, model, params, tokenizer, run_config, sources, references)
     else:
         decoder = _line_decoder(o, model, params, tokenizer, run_config, search)
-        _decode(o, decoder, lines, sources, references)
+        _decode(o, decoder, lines, sources, references, phrase_ids)
+
+
+def _read_constraints(o: Options, num_lines: int, tokenizer, search):
+    """Each input line's --constraints phrases as target ids (None without the flag)."""
+    if not o.constraints:
+        return None
+    phrases = constraints.read_phrases(o.constraints, num_lines)
+    target = Vocabularies.of(tokenizer).target
+    return constraints.tokenize_phrases(target, phrases, search.max_len)
 
 
 def _search(o: Options, run_config):
@@ -260,7 +275,7 @@ def _interactive(o: Options, run_config, tokenizer, search, on_inputs_checked) -
     log(f"answered {count} line(s)")
 
 
-def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references) -> None:
+def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references, phrase_ids) -> None:
     model, params = decoder.model, decoder.params
     tokenizer, run_config = decoder.tokenizer, decoder.run_config
     targets = None
@@ -268,8 +283,11 @@ def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references) ->
         targets = exposure.tokenize_references(
             tokenizer, references, run_config, strict=o.strict, log=log, oov=sources.oov
         )
-    # progress=None: a bar only on a terminal.
-    decoded, result = decoder.decode(lines, sources=sources, progress=None)
+    if phrase_ids is None:
+        # progress=None: a bar only on a terminal.
+        decoded, result = decoder.decode(lines, sources=sources, progress=None)
+    else:
+        decoded, result = _decode_constrained(o, decoder, lines, sources, phrase_ids)
     line_io.write_lines(o.output, [records.format_record(d, o.format, o.nbest) for d in decoded])
     log(reports.summary(result))
     if references is not None:
@@ -299,6 +317,21 @@ def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references) ->
             target_vocab=None if sources.oov is not None else Vocabularies.of(tokenizer).target,
         )
         log(report.table())
+
+
+def _decode_constrained(o, decoder: line_decoder.LineDecoder, lines, sources, phrase_ids):
+    """`decoder.decode` with --constraints: (the records, the `runner.DecodeResult`)."""
+    result, unmet = constraints.decode_lines(
+        *(decoder.model, decoder.params, decoder.tokenizer, decoder.run_config),
+        *(sources, phrase_ids),
+        search=decoder.search,
+        batch_size=o.batch_size,
+        nbest=o.nbest,
+    )
+    if unmet:
+        log(constraints.unmet_warning(unmet, decoder.search.max_len))
+    target = Vocabularies.of(decoder.tokenizer).target
+    return records.decoded_lines(result, lines, target, scored=True), result
 
 
 def _score(o, model, params, tokenizer, run_config, sources, references) -> None:

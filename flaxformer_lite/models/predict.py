@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.copy_transformer import CopyTransformer
 from flaxformer_lite.models.transformer import Transformer, init_cache, token_validity
-from flaxformer_lite.search import beam, sampling
+from flaxformer_lite.search import beam, constrained, sampling
 
 
 def _apply(model, variables, *args, method: str):
@@ -212,3 +212,52 @@ def decode(
     else:
         raise ValueError(f"unknown search method {search.method!r}: greedy, sample or beam")
     return tokens[:, None, :], jnp.zeros((batch, 1), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "search", "bos_id", "eos_id"))
+def decode_with_constraints(
+    model: Transformer,
+    params,
+    inputs: jax.Array,
+    phrases: jax.Array,
+    phrase_lengths: jax.Array,
+    *,
+    search: SearchConfig,
+    bos_id: int,
+    eos_id: int,
+    source_valid: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Encodes `inputs` int32[B, S] once and runs lexically constrained beam search
+    (`search/constrained.py`) with `search`'s beam_size, alpha, max_len and min_len.
+
+    Args:
+      phrases: int32[B, C, P] target ids every hypothesis of row b must contain,
+        phrase c in phrases[b, c, :phrase_lengths[b, c]]; phrase_lengths int32[B, C]
+        (0: no phrase).
+    Returns:
+      (tokens int32[B, beam_size, max_len], scores float32[B, beam_size]) as `decode`'s
+      beam search; a slot no hypothesis filled (no beam met every phrase) scores
+      constrained.NEG_INF.
+    """
+    step, cache, first = cached_step(
+        model,
+        params,
+        inputs,
+        max_len=search.max_len,
+        bos_id=bos_id,
+        beams=search.beam_size,
+        source_valid=source_valid,
+    )
+    return constrained.constrained_beam_search(
+        step,
+        cache,
+        constrained.Constraints(phrases, phrase_lengths),
+        batch_size=inputs.shape[0],
+        beam_size=search.beam_size,
+        max_len=search.max_len,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        alpha=search.alpha,
+        min_len=search.min_len,
+        first_tokens=first,
+    )
