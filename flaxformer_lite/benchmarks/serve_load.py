@@ -70,7 +70,9 @@ class Server:
             except (OSError, ServerError):
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"serve.py did not start: {self.process.stderr.read()}")
+                    raise RuntimeError(
+                        f"serve.py did not start: {self.process.stderr.read()}"
+                    ) from None
                 time.sleep(0.25)
 
     def rss_mib(self) -> float:
@@ -136,17 +138,22 @@ def open_loop(client: Client, lines: list[str], rate: float, duration: float, **
     ok = [r for r in results if not isinstance(r[1], ServerError)]
     refused = [r for r in results if isinstance(r[1], ServerError) and r[1].status == 503]
     return {
-        "sent": len(results), "answered": len(ok), "refused_503": len(refused),
+        "sent": len(results),
+        "answered": len(ok),
+        "refused_503": len(refused),
         "other_errors": len(results) - len(ok) - len(refused),
-        "results": results, **_percentiles([r[2] for r in ok]),
+        "results": results,
+        **_percentiles([r[2] for r in ok]),
     }
 
 
 def _percentiles(latencies: list[float]) -> dict:
     if not latencies:
         return {"p50_s": None, "p99_s": None}
-    return {"p50_s": float(np.percentile(latencies, 50)),
-            "p99_s": float(np.percentile(latencies, 99))}
+    return {
+        "p50_s": float(np.percentile(latencies, 50)),
+        "p99_s": float(np.percentile(latencies, 99)),
+    }
 
 
 def mismatches(answers: dict[int, str], want: list[str]) -> int:
@@ -154,28 +161,45 @@ def mismatches(answers: dict[int, str], want: list[str]) -> int:
     return sum(answers.get(i) != text for i, text in enumerate(want))
 
 
-def run(workdir: str, lines: list[str], *, clients: int = 32, slots: int = 32,
-        duration: float = 20.0, log: Callable[[str], None] = print) -> dict:
+def run(
+    workdir: str,
+    lines: list[str],
+    *,
+    clients: int = 32,
+    slots: int = 32,
+    duration: float = 20.0,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Every measurement of the module docstring, for greedy and beam 4."""
     out = {}
     for name, beam in (("greedy", 1), ("beam4", 4)):
         ref = reference(workdir, lines, beam)
-        row = {"decode_py_s": ref["seconds"],
-               "decode_py_sent_per_s": len(lines) / ref["seconds"]}
+        row = {"decode_py_s": ref["seconds"], "decode_py_sent_per_s": len(lines) / ref["seconds"]}
         log(f"{name}: decode.py {row['decode_py_sent_per_s']:.1f} sentences/s")
         for batching in ("continuous", "static"):
-            server = Server(workdir, "--slots", str(slots), "--beam_size", "4",
-                            "--batching", batching, "--max_queue", "4096")
+            server = Server(
+                workdir,
+                "--slots",
+                str(slots),
+                "--beam_size",
+                "4",
+                "--batching",
+                batching,
+                "--max_queue",
+                "4096",
+            )
             loaded = closed_loop(server.client, lines, clients, beam_size=beam)
             row[batching] = {
-                "sent_per_s": len(lines) / loaded["seconds"], "p50_s": loaded["p50_s"],
+                "sent_per_s": len(lines) / loaded["seconds"],
+                "p50_s": loaded["p50_s"],
                 "p99_s": loaded["p99_s"],
                 "mismatched_or_lost": mismatches(loaded["answers"], ref["texts"]),
             }
             log(f"{name}: {batching} server {row[batching]}")
             if batching == "continuous":
-                half = open_loop(server.client, lines, row[batching]["sent_per_s"] / 2,
-                                 duration, beam_size=beam)
+                half = open_loop(
+                    server.client, lines, row[batching]["sent_per_s"] / 2, duration, beam_size=beam
+                )
                 row["half_load"] = {k: v for k, v in half.items() if k != "results"}
                 log(f"{name}: half load {row['half_load']}")
             server.stop()
@@ -188,16 +212,24 @@ def run(workdir: str, lines: list[str], *, clients: int = 32, slots: int = 32,
 def _overload(workdir, lines, row, slots, duration, beam, want) -> dict:
     """Twice the measured throughput against a queue of two batches: refused with 503,
     every accepted request answered right, memory before and after."""
-    server = Server(workdir, "--slots", str(slots), "--beam_size", "4",
-                    "--max_queue", str(2 * slots))
+    server = Server(
+        workdir, "--slots", str(slots), "--beam_size", "4", "--max_queue", str(2 * slots)
+    )
     before = server.rss_mib()
-    load = open_loop(server.client, lines, 2 * row["continuous"]["sent_per_s"], duration,
-                     beam_size=beam)
+    load = open_loop(
+        server.client, lines, 2 * row["continuous"]["sent_per_s"], duration, beam_size=beam
+    )
     after = server.rss_mib()
     wrong = sum(
-        out != want[i % len(want)] for i, out, _ in load["results"]
+        out != want[i % len(want)]
+        for i, out, _ in load["results"]
         if not isinstance(out, ServerError)
     )
     code = server.stop()
-    return {**{k: v for k, v in load.items() if k != "results"}, "wrong_answers": wrong,
-            "rss_mib_before": before, "rss_mib_after": after, "exit_code": code}
+    return {
+        **{k: v for k, v in load.items() if k != "results"},
+        "wrong_answers": wrong,
+        "rss_mib_before": before,
+        "rss_mib_after": after,
+        "exit_code": code,
+    }

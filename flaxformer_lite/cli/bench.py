@@ -350,8 +350,16 @@ def _serve(f, log) -> dict:
         raise line_io.InputError("--mode serve needs --serve_workdir and --serve_input")
     lines, _ = line_io.read_lines(f.serve_input)
     lines = [line for line in lines if line.strip()]
-    return {"serve": serve_load.run(f.serve_workdir, lines, clients=f.serve_clients,
-                                    slots=f.serve_slots, duration=f.serve_duration, log=log)}
+    return {
+        "serve": serve_load.run(
+            f.serve_workdir,
+            lines,
+            clients=f.serve_clients,
+            slots=f.serve_slots,
+            duration=f.serve_duration,
+            log=log,
+        )
+    }
 
 
 def run(opts: Options) -> dict:
@@ -361,7 +369,8 @@ def run(opts: Options) -> dict:
     f = opts.flags
     log = (lambda s: print(s, file=sys.stderr)) if f.json == "/dev/stdout" else print
     if f.mode == "serve" or f.length_sweep:
-        results = _serve(f, log) if f.mode == "serve" else {"length_sweep": _length_sweep(opts, log)}
+        serve = f.mode == "serve"
+        results = _serve(f, log) if serve else {"length_sweep": _length_sweep(opts, log)}
         if f.json:
             with open(f.json, "w") as out:
                 json.dump(results, out, indent=2)

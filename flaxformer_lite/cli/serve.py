@@ -90,9 +90,9 @@ def build(o: Options) -> Translator:
     run_config, vocab = runner.open_workdir(o.workdir, o.step)
     check(o, run_config)
     params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
-    model = from_config.build_model(run_config).module
+    model = from_config.build_model(run_config)
     engine = engine_lib.Engine(
-        model,
+        model.module,
         engine_lib.params_on_device(params),
         slots=o.slots,
         beam_size=o.beam_size,
@@ -105,7 +105,7 @@ def build(o: Options) -> Translator:
     if o.warm_up:
         log(f"compiled the engine's programs in {engine_lib.warm_up(engine):.1f} s")
     limits = Limits(max_lines=o.max_lines, default_beam_size=o.default_beam_size, timeout=o.timeout)
-    return Translator(engine.start(), vocab, run_config, limits)
+    return Translator(engine.start(), vocab, run_config, limits, model=model, params=params)
 
 
 def run(o: Options, on_ready: Callable[[], object] = lambda: None) -> None:

@@ -272,7 +272,7 @@ class Engine:
         for s in busy:
             job = pool.jobs[s]
             if view.done[s]:
-                nbest = [_strip(t) for t in view.tokens[s, : job.nbest]]
+                nbest = [strip_ids(t) for t in view.tokens[s, : job.nbest]]
                 self.stats["tokens"] += len(nbest[0]) + 1
                 _stream(job, nbest[0])
                 job.future.set_result((nbest, view.scores[s, : job.nbest].tolist()))
@@ -286,9 +286,9 @@ class Engine:
             pool.release(expired)
 
 
-def _strip(ids: np.ndarray) -> list[int]:
+def strip_ids(ids) -> list[int]:
     """Generated ids up to EOS, without it and without PAD_ID (as `decode.py` reads them)."""
-    ids = ids.tolist()
+    ids = list(ids.tolist() if isinstance(ids, np.ndarray) else ids)
     ids = ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
     return [t for t in ids if t != PAD_ID]
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flaxformer_lite.config.run import RunConfig
+from flaxformer_lite.constants import EOS_ID
 from flaxformer_lite.data.tokenizer import Vocabularies
 from flaxformer_lite.serving import engine as engine_lib
 from flaxformer_lite.translate.input_lines import tokenize_lines
@@ -29,6 +30,10 @@ FIELDS = {
     "min_len": "tokens before EOS is allowed",
     "strict": "refuse over-long lines (a per-line error) instead of truncating them",
     "stream": "greedy only: server-sent events, tokens as they are decoded",
+    "alignment": "also word alignments (Moses i-j pairs) from the last decoder layer's "
+    "cross-attention, averaged over heads",
+    "constraints": "per line, target phrases each hypothesis must contain (beam search, "
+    "decoded outside the continuous batch)",
 }
 
 
@@ -62,10 +67,16 @@ class Settings:
     min_len: int
     strict: bool
     stream: bool
+    alignment: bool = False
+    constraints: list[list[str]] | None = None
 
 
 class Translator:
-    """A workdir's model behind an `Engine`, with its vocabularies and limits."""
+    """A workdir's model behind an `Engine`, with its vocabularies and limits.
+
+    `model` (the protocol's) and `params` serve what the engine does not: alignments (a
+    teacher-forced pass over the hypotheses) and constrained beam search.
+    """
 
     def __init__(
         self,
@@ -73,8 +84,11 @@ class Translator:
         vocab: Vocabularies,
         run_config: RunConfig,
         limits: Limits = Limits(),
+        model=None,
+        params=None,
     ):
         self.engine, self.vocab, self.run_config, self.limits = engine, vocab, run_config, limits
+        self.model, self.params = model, params
 
     def check(self, request: Any) -> Settings:
         """The request's settings, or `RequestError` (400/413) naming the problem."""
@@ -115,13 +129,18 @@ class Translator:
         alpha = request.get("alpha", 0.6)
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 10:
             raise RequestError(400, f'"alpha" must be a number in [0, 10], got {alpha!r}')
-        flags = {k: request.get(k, False) for k in ("strict", "stream")}
+        flags = {k: request.get(k, False) for k in ("strict", "stream", "alignment")}
         for k, v in flags.items():
             if not isinstance(v, bool):
                 raise RequestError(400, f'"{k}" must be true or false, got {v!r}')
-        if flags["stream"] and beam > 1:
-            raise RequestError(400, "stream needs greedy decoding: set beam_size 1")
-        return Settings(lines, beam, nbest, float(alpha), max_len, min_len, **flags)
+        if flags["stream"] and (beam > 1 or flags["alignment"]):
+            raise RequestError(400, "stream needs greedy decoding without alignment")
+        constraints = _constraints(request, len(lines), beam, flags["stream"])
+        if (flags["alignment"] or constraints) and self.model is None:
+            raise RequestError(400, "this server has no model for alignment or constraints")
+        return Settings(
+            lines, beam, nbest, float(alpha), max_len, min_len, **flags, constraints=constraints
+        )
 
     def jobs(self, s: Settings, on_tokens: Callable[[int], Callable] | None = None):
         """(per-line errors or None, jobs by line index) of checked settings; `on_tokens(i)`
@@ -167,9 +186,76 @@ class Translator:
         """The response body of a non-streaming request."""
         s = self.check(request)
         errors, jobs = self.jobs(s)
-        self.submit(jobs)
-        results = await wait_all(jobs, self.limits.timeout)
-        return {"translations": [self.line(i, errors, results) for i in range(len(s.lines))]}
+        if s.constraints:
+            results = await asyncio.to_thread(self._constrained, s, jobs)
+        else:
+            self.submit(jobs)
+            results = await wait_all(jobs, self.limits.timeout)
+        answers = [self.line(i, errors, results) for i in range(len(s.lines))]
+        if s.alignment:
+            await asyncio.to_thread(self._align, answers, jobs, results, s.max_len)
+        return {"translations": answers}
+
+    def _constrained(self, s: Settings, jobs: dict) -> dict:
+        """{line: (n-best ids, scores)} by constrained beam search (`translate/constraints`)."""
+        from flaxformer_lite.translate import constraints as constraints_lib
+        from flaxformer_lite.translate import runner
+        from flaxformer_lite.translate.line_io import InputError
+
+        order = sorted(jobs)
+        try:
+            search = runner.make_search(
+                self.run_config,
+                beam_size=s.beam_size,
+                alpha=s.alpha,
+                max_len=s.max_len,
+                min_len=s.min_len,
+                nbest=s.nbest,
+            )
+            phrase_ids = constraints_lib.tokenize_phrases(
+                self.vocab.target, [s.constraints[i] for i in order], s.max_len
+            )
+        except InputError as e:
+            raise RequestError(400, str(e)) from None
+        result, _ = constraints_lib.decode_lines(
+            self.model,
+            self.params,
+            self.vocab,
+            self.run_config,
+            [s.lines[i] for i in order],
+            phrase_ids,
+            search=search,
+            nbest=s.nbest,
+        )
+        return {
+            i: (
+                [engine_lib.strip_ids(ids) for ids in result.nbest_ids[n]],
+                [score for _, score in result.hypotheses[n]],
+            )
+            for n, i in enumerate(order)
+        }
+
+    def _align(self, answers: list, jobs: dict, results: dict, max_len: int) -> None:
+        """Adds "alignment" (Moses pairs) to every hypothesis of `answers`."""
+        from flaxformer_lite.translate import word_alignment
+        from flaxformer_lite.translate.bucketing import Sources
+
+        order = sorted(results)
+        sources = Sources(ids=[jobs[i].ids for i in order])
+        hyps = [[[*ids, EOS_ID] for ids in results[i][0]] for i in order]
+        pairs = word_alignment.align_hypotheses(
+            self.model,
+            self.params,
+            self.vocab.target,
+            sources,
+            hyps,
+            max_source_len=self.engine.source_len,
+            target_len=max_len + 1,
+            source_vocab=self.vocab.source,
+        )
+        for i, line_pairs in zip(order, pairs, strict=True):
+            for hyp, p in zip(answers[i]["hypotheses"], line_pairs, strict=True):
+                hyp["alignment"] = word_alignment.format_pairs(p)
 
     def line(self, i: int, errors: list, results: dict) -> dict:
         """One line's answer: {"error"} or {"hypotheses": [{"text", "score"}, ...]}."""
@@ -197,6 +283,21 @@ async def wait_all(jobs: dict, timeout: float) -> dict:
     except RuntimeError as e:
         raise RequestError(500, str(e)) from None
     return dict(zip(futures, done, strict=True))
+
+
+def _constraints(request: dict, lines: int, beam: int, stream: bool) -> list | None:
+    """The "constraints" field checked: one list of phrases (strings) per line, or None."""
+    value = request.get("constraints")
+    if value is None:
+        return None
+    shape = '"constraints" must be one list of phrases (strings) per line of "text"'
+    if not isinstance(value, list) or len(value) != lines:
+        raise RequestError(400, shape)
+    if not all(isinstance(p, list) and all(isinstance(x, str) for x in p) for p in value):
+        raise RequestError(400, shape)
+    if beam < 2 or stream:
+        raise RequestError(400, "constraints need beam search: set beam_size >= 2, no stream")
+    return value if any(value) else None
 
 
 def _int(request: dict, name: str, default: int, lowest: int) -> int:

@@ -22,7 +22,7 @@ from conftest import ROOT
 from flaxformer_lite.models import from_config
 from flaxformer_lite.serving.client import Client, ServerError
 from flaxformer_lite.training import restore
-from flaxformer_lite.translate import runner
+from flaxformer_lite.translate import constraints, runner, word_alignment
 
 LINES = [
     f"{lang} {n}" for n in (3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26) for lang in ["en", "de"]
@@ -132,6 +132,51 @@ def test_streamed_pieces_make_the_greedy_translation(server, reference):
     pieces = "".join(e["text"] for e in events if not e.get("done"))
     final = events[-1]
     assert final["done"] and final["text"] == pieces == reference[1][3][0][0]
+
+
+def test_alignments_are_those_decode_py_computes_for_the_same_hypotheses(server, trained_tiny):
+    _, client = server
+    run_config, vocab = runner.open_workdir(trained_tiny)
+    params, _ = restore.restore_params(trained_tiny, None)
+    model = from_config.build_model(run_config)
+    search = runner.make_search(run_config, beam_size=4, nbest=2)
+    result = runner.decode_lines(
+        model, params, vocab, run_config, LINES[:4], search=search, nbest=2
+    )
+    want = word_alignment.align_hypotheses(
+        model,
+        params,
+        vocab.target,
+        result.sources,
+        result.nbest_ids,
+        max_source_len=run_config.data.max_source_len,
+        target_len=search.max_len + 1,
+        source_vocab=vocab.source,
+    )
+    got = client.translate(LINES[:4], beam_size=4, nbest=2, alignment=True)
+    for line, pairs in zip(got, want, strict=True):
+        assert [h["alignment"] for h in line["hypotheses"]] == [
+            word_alignment.format_pairs(p) for p in pairs
+        ]
+
+
+def test_constrained_requests_contain_their_phrases_as_decode_py_gives_them(server, trained_tiny):
+    _, client = server
+    run_config, vocab = runner.open_workdir(trained_tiny)
+    params, _ = restore.restore_params(trained_tiny, None)
+    model = from_config.build_model(run_config)
+    phrases = [["forty"], [], ["seven", "two"]]
+    want = constraints.decode_constrained(
+        model, params, vocab, run_config, LINES[:3], phrases, beam_size=4, nbest=2
+    )
+    got = client.translate(LINES[:3], beam_size=4, nbest=2, constraints=phrases)
+    for line, hyps, wanted in zip(got, want, phrases, strict=True):
+        texts = [h["text"] for h in line["hypotheses"]]
+        assert texts == [text for text, _ in hyps]
+        assert all(p in t for t in texts for p in wanted)
+    with pytest.raises(ServerError, match="cannot spell") as e:
+        client.translate(LINES[:1], beam_size=4, constraints=[["\u4e2d"]])
+    assert e.value.status == 400
 
 
 def test_bad_lines_get_their_own_error_and_the_others_their_answer(server, reference):
