@@ -98,6 +98,14 @@ def define_flags() -> None:
     DEFINE_integer("nbest", 1, "Hypotheses per line (tab-separated with scores).", lower_bound=1)
     DEFINE_integer("seed", 0, "Sampling seed.")
     DEFINE_integer("batch_size", 32, "Sentences per model call.", lower_bound=1)
+    DEFINE_enum(
+        "batching",
+        "padded",
+        ["padded", "continuous"],
+        "padded: batches of similar length, each run until its last sentence ends. "
+        "continuous: --batch_size slots, a slot refilled as soon as its sentence ends (the "
+        "server's engine; greedy or beam search of autoregressive text models).",
+    )
     DEFINE_bool("strict", False, "Refuse lines longer than the model's source/target length.")
     DEFINE_string("reference", None, "Reference lines: BLEU and chrF, or with --score the targets.")
     DEFINE_string("attention_png", None, "Directory for cross-attention plots.")

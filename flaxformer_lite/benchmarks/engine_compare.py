@@ -230,52 +230,51 @@ def file_bleu(
     *,
     beam_size: int = 4,
     alpha: float = 0.6,
-    batch_size: int = 32,
+    batch_sizes: tuple[int, ...] = (32,),
     threads: int | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Decodes `input_path` with a workdir's model in the three engines: BLEU, seconds (of a
     second pass: the first compiles our searches, one per length bucket) and the share of
     lines identical to ours, greedy and beam (ours: GNMT penalty `alpha`; CTranslate2: its
-    length normalisation, `length_penalty` 1)."""
+    length normalisation, `length_penalty` 1), at each batch size. Ours twice: padded
+    batches (`decode.py`'s default) and continuous batching in as many slots
+    (`--batching continuous`)."""
     from flaxformer_lite.models import from_config
     from flaxformer_lite.training import restore
-    from flaxformer_lite.translate import line_io, runner
+    from flaxformer_lite.translate import continuous, input_lines, line_io, runner
 
     run_config, vocab = runner.open_workdir(workdir)
-    cfg = run_config.model
     layout_lib.check_exportable(run_config, "CTranslate2")
     params, _ = restore.restore_params(workdir)
     model = from_config.build_model(run_config)
     lines, _ = line_io.read_lines(input_path)
     references, _ = line_io.read_lines(reference_path)
-    max_len = run_config.data.max_target_len
-    max_source = run_config.data.max_source_len
+    max_len, max_source = run_config.data.max_target_len, run_config.data.max_source_len
+    sources = input_lines.tokenize_lines(vocab, lines, max_source)
     pieces = [[vocab.source.id_to_piece(i) for i in vocab.source.encode(line)] for line in lines]
     pieces = [p[: max_source - 1] for p in pieces]  # ours keeps max_source_len ids with EOS
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         source = [vocab.source.id_to_piece(i) for i in range(vocab.source.vocab_size)]
         target = [vocab.target.id_to_piece(i) for i in range(vocab.target.vocab_size)]
-        paths = export_pair(params, cfg, source, target, tmp, max(1024, max_len + 1))
+        paths = export_pair(params, run_config.model, source, target, tmp, max(1024, max_len + 1))
         engines = translators(paths, threads)
-        for k in (1, beam_size):
+        for batch, k in ((b, k) for b in batch_sizes for k in (1, beam_size)):
             search = runner.make_search(run_config, beam_size=k, alpha=alpha)
-            ours, seconds = _warm_seconds(
-                lambda search=search: (
-                    runner.decode_lines(
-                        model,
-                        params,
-                        vocab,
-                        run_config,
-                        lines,
-                        search=search,
-                        batch_size=batch_size,
-                    ).texts
-                )
+            padded = lambda search=search, batch=batch: (
+                runner.decode_lines(
+                    model, params, vocab, run_config, sources, search=search, batch_size=batch
+                ).texts
             )
-            outputs = {"ours_fp32": (ours, seconds)}
+            slots = lambda search=search, batch=batch: (
+                continuous.decode_lines(
+                    model, params, vocab, run_config, sources, search=search, slots=batch
+                ).texts
+            )
+            outputs = {"ours_fp32": _warm_seconds(padded), "ours_continuous": _warm_seconds(slots)}
             for name, translator in engines.items():
-                outputs[name] = _translate_file(translator, pieces, vocab, k, batch_size, max_len)
-            results.update(_scores("greedy" if k == 1 else f"beam{k}", outputs, references, log))
+                outputs[name] = _translate_file(translator, pieces, vocab, k, batch, max_len)
+            name = ("greedy" if k == 1 else f"beam{k}") + f"_batch{batch}"
+            results.update(_scores(name, outputs, references, log))
     return results

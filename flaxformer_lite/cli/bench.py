@@ -246,9 +246,15 @@ def _compare_ctranslate2(f, config, log) -> dict:
         log=log,
     )
     if f.compare_workdir:
-        log(f"{f.compare_workdir} on {f.compare_input}, all of it, batch 32:")
+        batches = tuple(int(b) for b in f.compare_batches)
+        log(f"{f.compare_workdir} on {f.compare_input}, all of it, batch {batches}:")
         results["file"] = engine_compare.file_bleu(
-            f.compare_workdir, f.compare_input, f.compare_reference, beam_size=f.beam_size, log=log
+            f.compare_workdir,
+            f.compare_input,
+            f.compare_reference,
+            beam_size=f.beam_size,
+            batch_sizes=batches,
+            log=log,
         )
     return results
 

@@ -47,6 +47,7 @@ class Options:
     nbest: int = 1
     seed: int = 0
     batch_size: int = 32
+    batching: str = "padded"
     strict: bool = False
     reference: str | None = None
     attention_png: str | None = None
@@ -84,6 +85,12 @@ def _check_options(o: Options) -> None:
         raise line_io.InputError("--attention_png plots decoding: drop it or --score")
     if o.format not in records.FORMATS:
         raise line_io.InputError(f"--format {o.format!r}: one of {', '.join(records.FORMATS)}")
+    if o.batching == "continuous" and (o.score or o.report or o.constraints):
+        raise line_io.InputError(
+            "--batching continuous decodes: drop it with --score, --report or --constraints"
+        )
+    if o.batching not in ("padded", "continuous"):
+        raise line_io.InputError(f"--batching {o.batching!r}: padded or continuous")
     if o.score and (o.alignment or o.format != "text"):
         raise line_io.InputError("--alignment and --format apply to decoding: drop them or --score")
     if o.interactive:
@@ -246,7 +253,7 @@ def _read_inputs(o: Options) -> tuple[list[str], list[str] | None, int]:
 def _line_decoder(o: Options, model, params, tokenizer, run_config, search):
     return line_decoder.LineDecoder(
         *(model, params, tokenizer, run_config, search),
-        **{k: getattr(o, k) for k in ("nbest", "batch_size", "seed", "strict")},
+        **{k: getattr(o, k) for k in ("nbest", "batch_size", "seed", "strict", "batching")},
         alignment_layer=o.alignment_layer if o.alignment else None,
     )
 

@@ -2,7 +2,8 @@
 
 The one entry point for decoding text lines into `records.DecodedLine`s, so that
 `decode.py` (a whole file, or interactively one line at a time) and a server
-answer a line the same way: `runner.decode_lines` decodes in length buckets,
+answer a line the same way: `runner.decode_lines` decodes in length buckets (or
+`continuous.decode_lines` in the slots of the server's engine),
 `word_alignment.align_hypotheses` adds word alignments when asked for, and
 `records.decoded_lines` builds one record per line.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 from flaxformer_lite.config.run import RunConfig
 from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies
-from flaxformer_lite.translate import input_lines, records, runner, word_alignment
+from flaxformer_lite.translate import continuous, input_lines, records, runner, word_alignment
 from flaxformer_lite.translate.bucketing import Sources
 from flaxformer_lite.translate.line_io import InputError
 
@@ -34,10 +35,15 @@ class LineDecoder:
     seed: int = 0
     strict: bool = False
     alignment_layer: int | None = None  # decoder layer of the alignments (None: none)
+    batching: str = "padded"  # or "continuous": the server's slot engine (`continuous.py`)
 
     def __post_init__(self) -> None:
         if self.alignment_layer is not None:
             check_alignment(self.run_config, self.alignment_layer)
+        if self.batching == "continuous":
+            why = continuous.unsupported(self.run_config, self.search)
+            if why:
+                raise InputError(f"--batching continuous does not apply here: {why}")
 
     @property
     def scored(self) -> bool:
@@ -72,14 +78,22 @@ class LineDecoder:
                 strict=self.strict,
                 first_number=first_number,
             )
-        result = runner.decode_lines(
-            *(self.model, self.params, self.tokenizer, self.run_config, sources),
-            search=self.search,
-            batch_size=self.batch_size,
-            nbest=self.nbest,
-            seed=self.seed,
-            progress=progress,
-        )
+        if self.batching == "continuous":
+            result = continuous.decode_lines(
+                *(self.model, self.params, self.tokenizer, self.run_config, sources),
+                search=self.search,
+                nbest=self.nbest,
+                slots=self.batch_size,
+            )
+        else:
+            result = runner.decode_lines(
+                *(self.model, self.params, self.tokenizer, self.run_config, sources),
+                search=self.search,
+                batch_size=self.batch_size,
+                nbest=self.nbest,
+                seed=self.seed,
+                progress=progress,
+            )
         vocab = Vocabularies.of(self.tokenizer)
         alignments = None
         if self.alignment_layer is not None:

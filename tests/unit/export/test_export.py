@@ -434,7 +434,8 @@ def test_compare_benchmark_times_every_engine_on_equal_work():
 
 
 def test_compare_file_bleu_scores_the_same_outputs(workdir, tmp_path):
-    """Greedy CTranslate2 fp32 output is ours line for line, so BLEU is equal too."""
+    """Greedy CTranslate2 fp32 output is ours line for line, so BLEU is equal too; ours with
+    continuous batching gives the same lines as ours in padded batches."""
     from num2words import num2words
 
     from flaxformer_lite.benchmarks import engine_compare
@@ -444,6 +445,10 @@ def test_compare_file_bleu_scores_the_same_outputs(workdir, tmp_path):
     words = [num2words(int(n), lang=lang) for lang, n in (line.split() for line in LINES)]
     reference.write_text("\n".join(words) + "\n")
     out = engine_compare.file_bleu(workdir, str(source), str(reference), beam_size=2)
-    assert out["greedy_ct2_fp32"]["same_as_ours"] == 1.0
-    assert out["greedy_ct2_fp32"]["bleu"] == out["greedy_ours_fp32"]["bleu"]
-    assert set(out) == {f"{s}_{e}" for s in ("greedy", "beam2") for e in engine_compare.ENGINES}
+    assert out["greedy_batch32_ct2_fp32"]["same_as_ours"] == 1.0
+    assert out["greedy_batch32_ct2_fp32"]["bleu"] == out["greedy_batch32_ours_fp32"]["bleu"]
+    for search in ("greedy", "beam2"):
+        assert out[f"{search}_batch32_ours_continuous"]["same_as_ours"] == 1.0
+    engines = (*engine_compare.ENGINES, "ours_continuous")
+    want = {f"{s}_batch32_{e}" for s in ("greedy", "beam2") for e in engines}
+    assert set(out) == want

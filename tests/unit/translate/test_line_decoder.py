@@ -183,3 +183,30 @@ def test_alignment_is_refused_for_speech_and_for_a_layer_out_of_range(loaded):
     speech = dataclasses.replace(run_config, model=run_config.model.replace(input_features=8))
     with pytest.raises(line_io.InputError, match="source is audio frames"):
         LineDecoder(model, params, vocab, speech, search, alignment_layer=-1)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_continuous_batching_gives_the_padded_batches_records(loaded, beam_size):
+    """`--batching continuous` (the server's slot engine, 4 slots for 21 lines of many
+    lengths) against padded batches: the same texts, ids, alignments and beam scores."""
+    nbest = min(beam_size, 2)
+    padded = _decoder(loaded, beam_size=beam_size, nbest=nbest, batch_size=4)
+    slots = dataclasses.replace(padded, batching="continuous")
+    want, want_result = padded.decode(NUMBERS + [""])
+    got, got_result = slots.decode(NUMBERS + [""])
+    assert [d.hypotheses for d in got] != [] and len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert [h.text for h in g.hypotheses] == [h.text for h in w.hypotheses]
+        assert [h.alignment for h in g.hypotheses] == [h.alignment for h in w.hypotheses]
+        if beam_size > 1:
+            assert [h.score for h in g.hypotheses] == pytest.approx(
+                [h.score for h in w.hypotheses], abs=1e-4
+            )
+    assert got_result.nbest_ids == want_result.nbest_ids
+
+
+def test_continuous_batching_refuses_sampling(loaded):
+    model, params, vocab, run_config = loaded
+    search = runner.make_search(run_config, temperature=1.0)
+    with pytest.raises(line_io.InputError, match="greedy or beam search"):
+        LineDecoder(model, params, vocab, run_config, search, batching="continuous")
