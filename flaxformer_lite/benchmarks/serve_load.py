@@ -209,6 +209,16 @@ def run(
     return out
 
 
+def run_file(workdir: str | None, input_path: str | None, **kwargs) -> dict:
+    """`run` on the non-blank lines of a file (`bench.py --mode serve`)."""
+    from flaxformer_lite.translate import line_io
+
+    if not workdir or not input_path:
+        raise line_io.InputError("--mode serve needs --serve_workdir and --serve_input")
+    lines, _ = line_io.read_lines(input_path)
+    return run(workdir, [line for line in lines if line.strip()], **kwargs)
+
+
 def _overload(workdir, lines, row, slots, duration, beam, want) -> dict:
     """Twice the measured throughput against a queue of two batches: refused with 503,
     every accepted request answered right, memory before and after."""

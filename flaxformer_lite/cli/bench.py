@@ -350,16 +350,11 @@ def _decode(f, config, log) -> dict:
 def _serve(f, log) -> dict:
     """--mode serve: `benchmarks/serve_load.py` on --serve_input."""
     from flaxformer_lite.benchmarks import serve_load
-    from flaxformer_lite.translate import line_io
 
-    if not f.serve_workdir or not f.serve_input:
-        raise line_io.InputError("--mode serve needs --serve_workdir and --serve_input")
-    lines, _ = line_io.read_lines(f.serve_input)
-    lines = [line for line in lines if line.strip()]
     return {
-        "serve": serve_load.run(
+        "serve": serve_load.run_file(
             f.serve_workdir,
-            lines,
+            f.serve_input,
             clients=f.serve_clients,
             slots=f.serve_slots,
             duration=f.serve_duration,
