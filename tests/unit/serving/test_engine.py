@@ -187,12 +187,12 @@ def test_rows_at_their_own_positions_equal_rows_at_one_position():
         step = tokens[:, t : t + 1]
         a, shared = APPLY(variables, step, shared, cross, valid, method="decode_step")
         b, per_row = APPLY(variables, step, per_row, cross, valid, method="decode_step")
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32, two programs
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)  # logits ~10, two programs
     np.testing.assert_array_equal(per_row["index"], [4, 4, 4])
     # Rows at different positions: row 1 one step behind gives row 1's earlier logits.
     late = {**per_row, "index": jnp.array([3, 2, 3], jnp.int32)}
     c, _ = APPLY(variables, tokens[:, 2:3], late, cross, valid, method="decode_step")
-    np.testing.assert_allclose(c[1], _logits_at(variables, src, valid, tokens, 2)[1], atol=1e-5)
+    np.testing.assert_allclose(c[1], _logits_at(variables, src, valid, tokens, 2)[1], atol=1e-4)
 
 
 def _logits_at(variables, src, valid, tokens, t):
