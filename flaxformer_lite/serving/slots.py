@@ -29,7 +29,7 @@ from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.models import layer_layout
 from flaxformer_lite.models.transformer import Transformer, init_cache
 from flaxformer_lite.search.beam import length_penalty
-from flaxformer_lite.search.primitives import NEG_INF
+from flaxformer_lite.search.primitives import NEG_INF, top_k
 
 
 class Slots(NamedTuple):
@@ -159,7 +159,7 @@ def _candidates(logp: jax.Array, state: Slots):
     the token written at each slot's own step. Returns (logp [N, 2K], parent [N, 2K],
     token int32[N, 2K], seqs int32[N, 2K, L])."""
     n, k, v = logp.shape
-    beam_best, beam_tok = jax.lax.top_k(logp, min(2 * k, v))  # [N, K, 2K]
+    beam_best, beam_tok = top_k(logp, min(2 * k, v))  # [N, K, 2K]
     cand = (state.live_logp[:, :, None] + beam_best).reshape(n, -1)
     cand_logp, flat = jax.lax.top_k(cand, 2 * k)
     parent = flat // beam_best.shape[-1]
