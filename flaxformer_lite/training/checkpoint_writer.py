@@ -59,6 +59,18 @@ def write_step(manager: ocp.CheckpointManager, step: int, state, meta: dict[str,
         manager.wait_until_finished()
 
 
+def settle(manager: ocp.CheckpointManager) -> None:
+    """Waits for whatever a failed `write_step` left running (orbax's writer threads of
+    the other items and arrays), so that removing the step's leftovers is final: a thread
+    still writing would recreate the temporary directory after it was removed. Their
+    errors are the one already raised, and are not raised again."""
+    try:
+        with quiet_loggers("absl", "asyncio", "concurrent.futures"), held_stderr():
+            manager.wait_until_finished()
+    except Exception:  # noqa: BLE001 - the save's own error was raised already
+        pass
+
+
 def read_back_problem(directory: str, step: int, state, checksums: dict[str, str]) -> str | None:
     """None if `step`'s state reads back from disk with `checksums` on every process.
 

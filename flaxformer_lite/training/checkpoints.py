@@ -193,7 +193,9 @@ class Checkpointer:
         except Exception as e:
             # A step that orbax finalized before the failure (e.g. a peer died in the
             # barrier after the commit) is complete: it stays, and its checksums are
-            # verified when it is restored. Only unfinished leftovers are removed.
+            # verified when it is restored. Only unfinished leftovers are removed, once
+            # orbax's writer threads of this save have all stopped.
+            checkpoint_writer.settle(self._manager)
             self._remove_failed(step, keep_finalized=True)
             raise CheckpointWriteError(
                 f"could not save checkpoint {step} in {self.directory} ({short_reason(e)}); "
