@@ -98,6 +98,12 @@ def define_flags() -> None:
     DEFINE_integer("nbest", 1, "Hypotheses per line (tab-separated with scores).", lower_bound=1)
     DEFINE_integer("seed", 0, "Sampling seed.")
     DEFINE_integer("batch_size", 32, "Sentences per model call.", lower_bound=1)
+    _define_mode_flags()
+
+
+def _define_mode_flags() -> None:
+    """How lines are batched, what is reported besides the translations (references,
+    scores, plots, alignments, formats), the non-autoregressive and interactive modes."""
     DEFINE_enum(
         "batching",
         "padded",

@@ -105,6 +105,19 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # configs/ is a plain directory next to the package
 
 
+def run_decode(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    """`python decode.py *args` from the repository root on the CPU, `stdin` as its input."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "decode.py", *args],
+        cwd=ROOT,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        timeout=300,
+    )
+
+
 def tiny_config(tfds_dir: str, **train_overrides):
     """configs/tiny.py with its data under `tfds_dir` and train fields overridden."""
     from configs.tiny import get_config

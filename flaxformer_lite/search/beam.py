@@ -182,6 +182,15 @@ def _merge_finished(
     return _gather_beams(all_seqs, keep), fin_scores
 
 
+def next_log_probs(tokens_to_logits: TokensToLogits, last: jax.Array, cache: Any):
+    """Each beam's next-token log-probabilities float32[B, K, V] after feeding `last`
+    int32[B, K] (the cache's rows batch-major, b * K + k), and the new cache."""
+    b, k = last.shape
+    logits, cache = tokens_to_logits(last.reshape(b * k, 1), cache)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B*K, V]
+    return logp.reshape(b, k, -1), cache
+
+
 def _beam_step(
     tokens_to_logits: TokensToLogits,
     state: BeamState,
@@ -194,11 +203,8 @@ def _beam_step(
     min_len: int,
 ) -> BeamState:
     """One step of `beam_search`: extend, finish the EOS candidates, keep the best K live."""
-    b, k = state.live_logp.shape[0], beam_size
-    logits, cache = tokens_to_logits(state.last.reshape(b * k, 1), state.cache)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B*K, V]
-    v = logp.shape[-1]
-    logp = logp.reshape(b, k, v)
+    logp, cache = next_log_probs(tokens_to_logits, state.last, state.cache)  # [B, K, V]
+    b, k, v = logp.shape
     logp = jnp.where((i < min_len) & (jnp.arange(v) == eos_id), NEG_INF, logp)
     cand_logp, parent, token, seqs = _top_candidates(logp, state, i)
     is_eos = token == eos_id

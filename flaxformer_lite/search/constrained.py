@@ -244,11 +244,8 @@ def _step(
     min_len: int,
 ) -> ConstrainedState:
     """One step: extend, finish the top bank's EOS candidates, allocate the live beams."""
-    b, k = state.live_logp.shape[0], beam_size
-    logits, cache = tokens_to_logits(state.last.reshape(b * k, 1), state.cache)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B*K, V]
-    v = logp.shape[-1]
-    logp = logp.reshape(b, k, v)
+    logp, cache = beam.next_log_probs(tokens_to_logits, state.last, state.cache)
+    b, k, v = logp.shape
     may_end = (i >= min_len) & jnp.all(state.met, axis=-1)  # [B, K]
     logp = jnp.where(~may_end[..., None] & (jnp.arange(v) == eos_id), NEG_INF, logp)
     parent, token, score = _candidates(logp, state, constraints, i)

@@ -78,42 +78,48 @@ class LineDecoder:
                 strict=self.strict,
                 first_number=first_number,
             )
+        result = self._search(sources, progress)
+        out = records.decoded_lines(
+            result,
+            lines,
+            Vocabularies.of(self.tokenizer).target,
+            scored=self.scored,
+            alignments=self._align(sources, result),
+            first_number=first_number,
+        )
+        return out, result
+
+    def _search(self, sources: Sources, progress: bool | None) -> runner.DecodeResult:
+        """The search over every line: padded batches, or the server's slots."""
         if self.batching == "continuous":
-            result = continuous.decode_lines(
+            return continuous.decode_lines(
                 *(self.model, self.params, self.tokenizer, self.run_config, sources),
                 search=self.search,
                 nbest=self.nbest,
                 slots=self.batch_size,
             )
-        else:
-            result = runner.decode_lines(
-                *(self.model, self.params, self.tokenizer, self.run_config, sources),
-                search=self.search,
-                batch_size=self.batch_size,
-                nbest=self.nbest,
-                seed=self.seed,
-                progress=progress,
-            )
-        vocab = Vocabularies.of(self.tokenizer)
-        alignments = None
-        if self.alignment_layer is not None:
-            alignments = word_alignment.align_hypotheses(
-                *(self.model, self.params, vocab.target, sources, result.nbest_ids),
-                layer=self.alignment_layer,
-                max_source_len=self.run_config.data.max_source_len,
-                target_len=self.search.max_len,
-                source_vocab=vocab.source,
-                batch_size=self.batch_size,
-            )
-        out = records.decoded_lines(
-            result,
-            lines,
-            vocab.target,
-            scored=self.scored,
-            alignments=alignments,
-            first_number=first_number,
+        return runner.decode_lines(
+            *(self.model, self.params, self.tokenizer, self.run_config, sources),
+            search=self.search,
+            batch_size=self.batch_size,
+            nbest=self.nbest,
+            seed=self.seed,
+            progress=progress,
         )
-        return out, result
+
+    def _align(self, sources: Sources, result: runner.DecodeResult):
+        """Every hypothesis's word pairs, or None when no alignment was asked for."""
+        if self.alignment_layer is None:
+            return None
+        vocab = Vocabularies.of(self.tokenizer)
+        return word_alignment.align_hypotheses(
+            *(self.model, self.params, vocab.target, sources, result.nbest_ids),
+            layer=self.alignment_layer,
+            max_source_len=self.run_config.data.max_source_len,
+            target_len=self.search.max_len,
+            source_vocab=vocab.source,
+            batch_size=self.batch_size,
+        )
 
 
 def check_alignment(run_config: RunConfig, layer: int) -> None:

@@ -6,7 +6,7 @@ import sys
 
 import jax
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import ROOT, run_decode, tiny_config
 
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.constants import EOS_ID
@@ -17,17 +17,6 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Normal lines, a blank line, CRLF, an over-long line, invalid UTF-8, no final newline.
 MIXED = b"en 12\n\nde 45\r\nen " + b"1" * 200 + b"\nde \xff\xfe 3\n   \nen 7"
-
-
-def run_decode(*args, stdin=b""):
-    return subprocess.run(
-        [sys.executable, "decode.py", *args],
-        cwd=ROOT,
-        env=ENV,
-        input=stdin,
-        capture_output=True,
-        timeout=300,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 import threading
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_decode
 
 from flaxformer_lite.cli import decode as decode_cli
 from flaxformer_lite.translate import line_io
@@ -19,17 +19,6 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 MIXED = b"en 12\n\nde 45\r\nen " + b"1" * 200 + b"\nde \xff\xfe 3\n   \nen 7"
 PAIRS = re.compile(r"\d+-\d+( \d+-\d+)*")
 ANSWER_TIMEOUT_S = 120  # the first answer includes starting, restoring and compiling
-
-
-def run_decode(*args, stdin=b""):
-    return subprocess.run(
-        [sys.executable, "decode.py", *args],
-        cwd=ROOT,
-        env=ENV,
-        input=stdin,
-        capture_output=True,
-        timeout=300,
-    )
 
 
 def test_jsonl_gives_one_record_per_line_with_nbest_scores_and_alignments(trained_tiny, tmp_path):

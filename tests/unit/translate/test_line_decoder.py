@@ -194,7 +194,8 @@ def test_continuous_batching_gives_the_padded_batches_records(loaded, beam_size)
     slots = dataclasses.replace(padded, batching="continuous")
     want, want_result = padded.decode(NUMBERS + [""])
     got, got_result = slots.decode(NUMBERS + [""])
-    assert [d.hypotheses for d in got] != [] and len(got) == len(want)
+    assert len(got) == len(want) == len(NUMBERS) + 1
+    assert got[-1].hypotheses == () and all(g.hypotheses for g in got[:-1])
     for g, w in zip(got, want, strict=True):
         assert [h.text for h in g.hypotheses] == [h.text for h in w.hypotheses]
         assert [h.alignment for h in g.hypotheses] == [h.alignment for h in w.hypotheses]
