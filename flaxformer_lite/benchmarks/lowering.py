@@ -178,6 +178,8 @@ def lower(name: str, platform: str, mesh_shape: dict[str, int] | None = None) ->
         fn, args, shardings = PROGRAMS[name].build()
         if mesh_shape is None:
             text = export_text(fn, args, platform)
+        elif shardings is None:
+            raise ValueError(f"{name} runs on one device: it has no sharded lowering")
         else:
             mesh = partitioning.make_mesh(
                 fsdp=mesh_shape.get("fsdp", 1), model=mesh_shape.get("model", 1)

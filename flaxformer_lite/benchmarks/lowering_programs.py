@@ -179,6 +179,39 @@ def _nat_search():
     return NATSearch(max_len=T, iterations=4, length_beam=2)
 
 
+SLOTS, BEAMS, STEPS_PER_SYNC = 8, 4, 4  # a serving pool: 8 sentences of 4 beams
+
+
+def _engine(program: str):
+    """The server's two device programs (`serving/slots.py`) for a beam pool: `admit`
+    (encode M newcomers, write them into free slots) and `run` (STEPS_PER_SYNC decoding steps
+    of every slot). Sharded lowering is not defined for them: the engine is single-device."""
+
+    def build():
+        from flaxformer_lite.constants import BOS_ID, EOS_ID
+        from flaxformer_lite.serving import slots
+
+        model = _autoregressive().module
+        params = jax.tree.map(_abstract, _unbox(_boxed_params(_autoregressive())))
+        state = jax.eval_shape(lambda: slots.empty(model, SLOTS, BEAMS, S, T))
+        if program == "run":
+            fn = functools.partial(slots.run, model, steps=STEPS_PER_SYNC, eos_id=EOS_ID)
+            return fn, (params, state), None
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        m = SLOTS // 2
+        new = slots.Requests(
+            slot=i32(m),
+            inputs=i32(m, S),
+            max_len=i32(m),
+            min_len=i32(m),
+            width=i32(m),
+            alpha=jax.ShapeDtypeStruct((m,), jnp.float32),
+        )
+        return functools.partial(slots.admit, model, bos_id=BOS_ID), (params, state, new), None
+
+    return build
+
+
 def _scan_remat_model():
     return _autoregressive(scan_layers=True, remat="dots_with_no_batch_dims_saveable")
 
@@ -205,6 +238,12 @@ PROGRAMS: dict[str, Program] = {
         Program("beam", "beam search (4), KV cache", _search(_autoregressive, _beam)),
         Program("nat_decode", "Mask-Predict (4 iterations, 2 lengths)", lambda: None),
         Program("score", "forced scoring", _score),
+        Program("engine_admit", "server: encode newcomers into free slots", _engine("admit")),
+        Program(
+            "engine_run",
+            f"server: {STEPS_PER_SYNC} steps of {SLOTS} slots x {BEAMS} beams",
+            _engine("run"),
+        ),
     )
 }
 

@@ -9,6 +9,8 @@ import pytest
 
 from flaxformer_lite.benchmarks import lowering, lowering_programs
 
+# Programs with no encoder pass and no training: one-query decoder steps only.
+DECODE_STEPS_ONLY = ("engine_run",)
 TRAIN = ("train_full", "train_local", "train_packed", "train_scan_remat", "train_grad_accum")
 
 
@@ -20,6 +22,8 @@ def tpu_results():
 def test_every_program_lowers_for_tpu_with_the_splash_kernel(tpu_results):
     for name, result in tpu_results.items():
         assert result.ok, (name, result.error)
+        if name in DECODE_STEPS_ONLY:  # one query per row: XLA attention, no kernel
+            continue
         kernels = " ".join(result.kernels)
         assert "pallas:splash_mha_fwd" in kernels, (name, result.kernels)
         if name.startswith("train"):  # the backward pass's kernels too
