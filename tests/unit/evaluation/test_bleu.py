@@ -1,5 +1,6 @@
 """bleu.tokenized_bleu against hand-counted n-grams and a small BLEU4 written here, its
-preprocessing of both sides, and the reference length published for Multi30k."""
+preprocessing of both sides, training's bleu_tok, and the reference length published for
+Multi30k."""
 
 import collections
 import math
@@ -92,6 +93,27 @@ def test_description_names_the_preprocessing():
     description = tokenized_bleu(["a"], ["a"], "fr").description
     assert description.startswith("BLEU4 on lowercased Moses-tokenized text (sacremoses ")
     assert description.endswith(", lang fr, normalized punctuation)")
+
+
+def test_training_evaluation_adds_bleu_tok_beside_sacrebleu():
+    """With a target language, evaluation's metrics gain bleu_tok and keep bleu as it was;
+    the two differ here, where lowercasing and Moses tokenization matter."""
+    from flaxformer_lite.training import evaluate
+
+    totals = dict(tokens=4, sequences=2, nll=2.0, loss=2.0, correct=2, seq_correct=1)
+    hyps, refs = ["Ein Hund's Ball.", "zwei Katzen"], ["ein Hund 's Ball .", "zwei Katzen"]
+    metrics, signature, description = evaluate._corpus_metrics(
+        totals, hyps, refs, wer=False, bleu=True, bleu_lang="de"
+    )
+    expected = tokenized_bleu(hyps, refs, "de")
+    assert metrics["bleu_tok"] == expected.score == pytest.approx(100.0)
+    assert description == expected.description
+    assert metrics["bleu"] < 50 and "tok:13a" in signature
+    without, _, none = evaluate._corpus_metrics(totals, hyps, refs, wer=False, bleu=True)
+    assert "bleu_tok" not in without and none is None
+    assert without == {k: v for k, v in metrics.items() if k != "bleu_tok"}
+    off, _, _ = evaluate._corpus_metrics(totals, hyps, refs, wer=False, bleu=False, bleu_lang="de")
+    assert not {"bleu", "bleu_tok"} & off.keys()
 
 
 @pytest.mark.skipif(not MULTI30K.is_dir(), reason=f"Multi30k not found at {MULTI30K}")
