@@ -114,6 +114,14 @@ def _define_mode_flags() -> None:
     )
     DEFINE_bool("strict", False, "Refuse lines longer than the model's source/target length.")
     DEFINE_string("reference", None, "Reference lines: BLEU and chrF, or with --score the targets.")
+    DEFINE_string(
+        "bleu_lang",
+        None,
+        "With --reference: the language whose Moses rules tokenize both sides for the "
+        "tokenized BLEU4 (the figure Multi30k papers publish) printed after sacreBLEU's "
+        "(default: the run config's data.target_lang, else en).",
+    )
+    DEFINE_bool("bleu_lowercase", True, "With --reference: lowercase before the tokenized BLEU4.")
     DEFINE_string("attention_png", None, "Directory for cross-attention plots.")
     DEFINE_integer("attention_count", 4, "Inputs to plot.", lower_bound=0)
     DEFINE_integer("attention_layer", -1, "Decoder layer to plot (negative: from the end).")

@@ -50,6 +50,8 @@ class Options:
     batching: str = "padded"
     strict: bool = False
     reference: str | None = None
+    bleu_lang: str | None = None  # None: the run config's data.target_lang
+    bleu_lowercase: bool = True
     attention_png: str | None = None
     attention_count: int = 4
     attention_layer: int = -1
@@ -81,6 +83,11 @@ def _check_options(o: Options) -> None:
         raise line_io.InputError("--score needs --reference: the target lines to score")
     if o.score_tokens and not o.score:
         raise line_io.InputError("--score_tokens applies to --score only")
+    if (o.bleu_lang or not o.bleu_lowercase) and (o.score or not o.reference):
+        raise line_io.InputError(
+            "--bleu_lang and --bleu_lowercase set the BLEU of decoding with --reference"
+            + ("; --score computes none: drop them or --score" if o.score else ": add it")
+        )
     if o.score and o.attention_png:
         raise line_io.InputError("--attention_png plots decoding: drop it or --score")
     if o.format not in records.FORMATS:
@@ -299,6 +306,12 @@ def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references, ph
     log(reports.summary(result))
     if references is not None:
         log(reports.bleu_report(result.texts, references))
+        lang, note = _bleu_lang(o, run_config)
+        log(
+            reports.tokenized_bleu_line(
+                result.texts, references, lang, lowercase=o.bleu_lowercase, note=note
+            )
+        )
         if input_lines.is_speech(run_config):
             log(reports.speech_report(result.texts, references))
         log(reports.multimodality_line(result, references, Vocabularies.of(tokenizer).target))
@@ -324,6 +337,16 @@ def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references, ph
             target_vocab=None if sources.oov is not None else Vocabularies.of(tokenizer).target,
         )
         log(report.table())
+
+
+def _bleu_lang(o: Options, run_config) -> tuple[str, str]:
+    """The language of the tokenized BLEU's Moses rules (--bleu_lang, else the run's
+    data.target_lang, else English), and a note for the line when it was assumed."""
+    if o.bleu_lang:
+        return o.bleu_lang, ""
+    if run_config.data.target_lang:
+        return run_config.data.target_lang, ""
+    return "en", " (lang en assumed: the run config names no data.target_lang; set --bleu_lang)"
 
 
 def _decode_constrained(o, decoder: line_decoder.LineDecoder, lines, sources, phrase_ids):

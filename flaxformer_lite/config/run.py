@@ -194,10 +194,16 @@ def _check_together(model: TransformerConfig, data: DataConfig, optim, train) ->
             f"train.grad_accum_steps={train.grad_accum_steps} must divide "
             f"train.batch_size={train.batch_size}"
         )
-    if train.best_metric in ("bleu", "chrf") and not train.eval_bleu:
+    if train.best_metric in ("bleu", "bleu_tok", "chrf") and not train.eval_bleu:
         raise ConfigError(
             f"train.best_metric={train.best_metric!r} is computed only with "
             "--config.train.eval_bleu=True; set it, or rank checkpoints by loss or exact_match"
+        )
+    if train.best_metric == "bleu_tok" and not data.target_lang:
+        raise ConfigError(
+            "train.best_metric='bleu_tok' Moses-tokenizes by the target language, but "
+            "data.target_lang is empty: set it (e.g. --config.data.target_lang=de), or rank "
+            "checkpoints by bleu"
         )
     if train.early_stop_patience and not train.eval_every:
         raise ConfigError(

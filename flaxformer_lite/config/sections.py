@@ -47,6 +47,7 @@ BEST_METRICS = {
     "teacher_forced_sequence_accuracy": "max",
     "exact_match": "max",
     "bleu": "max",
+    "bleu_tok": "max",
     "chrf": "max",
     "wer": "min",
 }
@@ -190,7 +191,9 @@ class TrainConfig:
     eval_search: str = field("greedy", one_of(*EVAL_SEARCHES))  # decoding for evaluation
     eval_beam_size: int = field(4, POSITIVE)  # beams when eval_search is beam
     eval_alpha: float = field(0.6, number(0.0))  # GNMT length penalty of beam search
-    eval_bleu: bool = field(False, boolean)  # also report sacreBLEU and chrF
+    # also report sacreBLEU and chrF; with data.target_lang, also bleu_tok (the BLEU4 on
+    # lowercased Moses-tokenized text that Multi30k papers publish)
+    eval_bleu: bool = field(False, boolean)
     # Exposure-bias report with every evaluation (eb_* metrics, a table at the end): TF vs
     # greedy accuracy, first errors, prefix swaps; one argmax + 5 scoring passes per batch.
     exposure_report: bool = field(True, boolean)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 from jax.experimental import multihost_utils
 
-from flaxformer_lite.bleu import corpus_scores
+from flaxformer_lite.bleu import corpus_scores, tokenized_bleu
 from flaxformer_lite.data import tokenizer as tokenizer_lib
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.evaluation import exposure_bias, exposure_probe
@@ -24,6 +24,7 @@ class Evaluation(NamedTuple):
     pairs: list[tuple[str, str]]  # (prediction, reference) per evaluated example
     bleu_signature: str | None  # sacreBLEU's, when BLEU was computed
     exposure: exposure_bias.Report | None = None  # with a probe; its scalars are in metrics
+    bleu_tok_description: str | None = None  # the preprocessing of bleu_tok, when computed
 
     def record(self) -> dict:
         """What metrics.jsonl and TensorBoard get: the metrics and the report's histogram."""
@@ -70,6 +71,7 @@ def evaluate(
     decode_fn,
     max_batches: int | None = None,
     bleu: bool = False,
+    bleu_lang: str = "",
     wer: bool = False,
     exposure: exposure_probe.Probe | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -86,6 +88,9 @@ def evaluate(
       eval_fn: (params, batch) -> metric sums (`Seq2SeqModel.evaluate`, jitted).
       decode_fn: (params, batch) -> int32[B, T] best hypotheses.
       bleu: also compute sacreBLEU and chrF (corpus level).
+      bleu_lang: with `bleu`, the target language ("de"): also bleu_tok, the BLEU4 on
+        lowercased Moses-tokenized text that Multi30k papers publish
+        (`bleu.tokenized_bleu`); "": not.
       wer: also the corpus word error rate (`evaluation/word_errors.py`).
       exposure: also the exposure-bias report (`evaluation/exposure_bias.py`) of
         the same examples: `Probe.for_search` of decode_fn's search, so that
@@ -94,8 +99,9 @@ def evaluate(
         `StopSignals.poll`); True ends the evaluation by raising `Stopped`.
     Returns:
       metrics, (prediction, reference) pairs of every evaluated example, the
-      BLEU signature when `bleu` (computed with the scores, not again), and the
-      exposure report with its scalars (eb_...) added to the metrics.
+      BLEU signature when `bleu` (computed with the scores, not again), the
+      exposure report with its scalars (eb_...) added to the metrics, and bleu_tok's
+      preprocessing when it was computed.
     """
     detokenize = row_detokenizer(dataset, tokenizer_lib.Vocabularies.of(tokenizer).target)
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
@@ -113,12 +119,14 @@ def evaluate(
                 arrays = exposure.arrays(params, batch, decoded)
             out.probed.append(arrays.rows(host["valid"]))
     refs = references[: len(out.hyps)]
-    metrics, signature = _corpus_metrics(out.totals, out.hyps, refs, wer=wer, bleu=bleu)
+    metrics, signature, tok_description = _corpus_metrics(
+        out.totals, out.hyps, refs, wer=wer, bleu=bleu, bleu_lang=bleu_lang
+    )
     report = None
     if exposure is not None:
         report = exposure.report(out.probed)
         metrics.update(report.metrics())
-    return Evaluation(metrics, list(zip(out.hyps, refs)), signature, report)
+    return Evaluation(metrics, list(zip(out.hyps, refs)), signature, report, tok_description)
 
 
 @dataclasses.dataclass
@@ -150,19 +158,22 @@ def _run_batch(host, params, mesh, eval_fn, decode_fn, detokenize, out: _Outputs
     return batch, decoded
 
 
-def _corpus_metrics(totals, hyps, refs, *, wer: bool, bleu: bool):
+def _corpus_metrics(totals, hyps, refs, *, wer: bool, bleu: bool, bleu_lang: str = ""):
     """(metrics of the summed teacher-forced totals and of the texts against the references,
-    sacreBLEU's signature or None)."""
+    sacreBLEU's signature or None, bleu_tok's preprocessing or None)."""
     metrics = cross_entropy.summarize(totals)
     metrics["exact_match"] = sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)
     if wer:
         metrics["wer"] = word_error_rate(hyps, refs)
-    signature = None
+    signature = tok_description = None
     if bleu:
         scores = corpus_scores(hyps, refs)
         metrics["bleu"], metrics["chrf"] = scores.bleu, scores.chrf
         signature = scores.signature
-    return metrics, signature
+    if bleu and bleu_lang:  # cheap: Moses tokenizes some 10,000 lines a second
+        tokenized = tokenized_bleu(hyps, refs, bleu_lang)
+        metrics["bleu_tok"], tok_description = tokenized.score, tokenized.description
+    return metrics, signature, tok_description
 
 
 def row_detokenizer(dataset, vocab):

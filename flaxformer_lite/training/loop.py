@@ -184,6 +184,8 @@ def final_evaluation(run: Run) -> dict[str, float]:
             )
         if result.bleu_signature:
             run.log(f"{split} BLEU by sacreBLEU, signature {result.bleu_signature}")
+        if result.bleu_tok_description:
+            run.log(f"{split} bleu_tok: {result.bleu_tok_description}")
         run.stop_if_preempted(final_step)
     if run.eval_sets and result.exposure is not None:  # the test split's, or the last one's
         run.log(f"{split} exposure bias report:\n{result.exposure.table()}")

@@ -174,6 +174,7 @@ class Run:
             max_batches=max_batches,
             should_stop=None if self.signals is None else self.signals.poll,
             bleu=self.config.train.eval_bleu,
+            bleu_lang=self.config.data.target_lang,
             wer=datasets.has_features(self.config.data),
             exposure=exposure_probe.Probe.for_search(
                 self.model,

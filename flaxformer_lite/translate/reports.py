@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flaxformer_lite.bleu import corpus_scores
+from flaxformer_lite.bleu import corpus_scores, tokenized_bleu
 from flaxformer_lite.constants import PAD_ID
 from flaxformer_lite.data.extended_ids import ExtendedVocabulary
 from flaxformer_lite.data.tokenizer import Tokenizer, Vocabularies
@@ -31,6 +31,25 @@ def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> str:
     """
     check_line_counts(len(hypotheses), len(references))
     return corpus_scores(hypotheses, references).report
+
+
+def tokenized_bleu_line(
+    hypotheses: Sequence[str],
+    references: Sequence[str],
+    lang: str,
+    *,
+    lowercase: bool = True,
+    note: str = "",
+) -> str:
+    """The BLEU4 that Multi30k papers publish (`bleu.tokenized_bleu`) in fairseq's format,
+    followed by its preprocessing as sacreBLEU's score is by its signature, and `note`.
+
+    It starts "tokenized BLEU4", so that the line of sacreBLEU's BLEU is still the one
+    that starts "BLEU|".
+    """
+    check_line_counts(len(hypotheses), len(references))
+    out = tokenized_bleu(hypotheses, references, lang, lowercase=lowercase)
+    return f"tokenized {out.format()} | {out.description}{note}"
 
 
 def multimodality_line(result, references: Sequence[str], target_vocab) -> str:

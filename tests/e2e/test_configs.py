@@ -190,6 +190,11 @@ def test_every_range(flag, bad, words):
             "data.tsv.source_column must be a non-negative integer",
         ),
         ({"model.positions": "learned", "model.max_len": 12}, "model.max_len=12 is shorter"),
+        ({"train.best_metric": "bleu_tok"}, "computed only with --config.train.eval_bleu=True"),
+        (
+            {"train.best_metric": "bleu_tok", "train.eval_bleu": True},
+            "but data.target_lang is empty",
+        ),
     ],
 )
 def test_dataset_fields_and_cross_checks(changes, words):

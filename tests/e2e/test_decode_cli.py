@@ -8,6 +8,7 @@ import jax
 import pytest
 from conftest import ROOT, run_decode, tiny_config
 
+from flaxformer_lite.cli import decode as decode_cli
 from flaxformer_lite.config.run import parse
 from flaxformer_lite.constants import EOS_ID
 from flaxformer_lite.translate import bucketing, line_io, reports, runner
@@ -100,6 +101,23 @@ def test_bleu_report_has_signature_and_checks_counts():
     assert "BLEU|nrefs:1|" in report and "chrF2|nrefs:1|" in report
     with pytest.raises(line_io.InputError, match="1 lines but the input has 2"):
         reports.bleu_report(["a", "b"], ["a"])
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(bleu_lang="de"), "with --reference: add it"),
+        (dict(bleu_lowercase=False), "with --reference: add it"),
+        (dict(bleu_lang="de", reference="ref.txt", score=True), "--score computes none"),
+    ],
+)
+def test_bleu_flags_need_decoding_with_a_reference(tmp_path, changes, words):
+    if "reference" in changes:
+        (tmp_path / "ref.txt").write_text("a\n")
+        changes["reference"] = str(tmp_path / "ref.txt")
+    options = decode_cli.Options(workdir=str(tmp_path / "missing"), **changes)
+    with pytest.raises(line_io.InputError, match=words):
+        decode_cli.run(options)  # refused before the workdir is opened
 
 
 # ----------------------------------------------------------------------------
@@ -221,6 +239,14 @@ def test_cli_nbest_reference_attention(workdir, tmp_path):
     bleu = [x for x in stderr.splitlines() if x.startswith("BLEU")]
     assert len(bleu) == 1 and "nrefs:1" in bleu[0]
     assert any(x.startswith("chrF") for x in stderr.splitlines())
+    # The tokenized BLEU4 of the 1-best outputs as written, recomputed here; configs/tiny.py
+    # names no target language, so English rules are assumed and the line says so.
+    (tokenized,) = [x for x in stderr.splitlines() if x.startswith("tokenized BLEU4 = ")]
+    hyps = [line.split("\t")[0] for line in lines]
+    refs, _ = line_io.read_lines(str(ref))
+    note = " (lang en assumed: the run config names no data.target_lang; set --bleu_lang)"
+    assert tokenized == reports.tokenized_bleu_line(hyps, refs, "en", note=note)
+    assert "| BLEU4 on lowercased Moses-tokenized text (sacremoses " in tokenized
     pngs = sorted(os.listdir(plots))
     assert pngs == ["attention_0000.png", "attention_0002.png"]  # line 1 is blank
     for name in pngs:

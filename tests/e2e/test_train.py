@@ -171,6 +171,7 @@ def test_local_corpus_with_bucketed_or_packed_batches(tfds_dir, tmp_path, monkey
     assert "test_loss" not in results  # the corpus has no test split
     assert any(f"train batches: {batching}" in m for m in messages)
     assert any("signature nrefs:1" in m for m in messages)
+    assert "validation bleu_tok: BLEU4 on lowercased Moses-tokenized text" in "\n".join(messages)
     train = _train_records(workdir)
     assert train[-1]["loss"] < train[0]["loss"] - 1.0, train  # it learns (4.1 -> 2.6)
     # The run's validation BLEU and chrF are decode.py's on the same files with the same
@@ -195,3 +196,8 @@ def test_local_corpus_with_bucketed_or_packed_batches(tfds_dir, tmp_path, monkey
     assert results["validation_chrf"] > 10
     assert bleu == pytest.approx(results["validation_bleu"], abs=0.005)
     assert chrf == pytest.approx(results["validation_chrf"], abs=0.005)
+    # So is the tokenized BLEU4, by the German rules of the run's data.target_lang.
+    (line,) = [m for m in logged if m.startswith("tokenized BLEU4 = ")]
+    assert line.endswith("lang de, normalized punctuation)")
+    bleu_tok = float(line.split(" = ")[1].split(",")[0])
+    assert bleu_tok == pytest.approx(results["validation_bleu_tok"], abs=0.005)
