@@ -3,6 +3,7 @@
 python bench.py                          # training and decoding, base model, vocab 8000
 python bench.py --mode train --batch 16 --source_len 64 --target_len 64
 python bench.py --mode decode --json bench.json
+python bench.py --mode decode --nat_iterations 1,10 --ctc_ratios 2,3   # NAT next to AT
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
 python bench.py --mode lower             # exported for cuda and tpu; collectives on 8 devices
 python bench.py --mode serve --serve_workdir W --serve_input test.en   # serve.py vs decode.py
@@ -86,6 +87,12 @@ flags.DEFINE_integer(
     1,
     "Length candidates per sentence of the non-autoregressive runs.",
     lower_bound=1,
+)
+flags.DEFINE_list(
+    "ctc_ratios",
+    [],
+    "Decoding: also time the CTC non-autoregressive model of the same size (one decoder call, "
+    "argmax and collapse) at these upsampling ratios, e.g. 2,3.",
 )
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 flags.DEFINE_string("serve_workdir", None, "--mode serve: the trained workdir to serve.")

@@ -20,6 +20,21 @@ def nat_section(iterations: int = 4, length_beam: int = 1) -> ml_collections.Con
     return defaults.section_config("nat", iterations=iterations, length_beam=length_beam)
 
 
+def ctc_section(
+    upsample_ratio: float = 3.0, glance_steps: int = 300_000
+) -> ml_collections.ConfigDict:
+    """The `nat` section of the CTC decoder (models/ctc_nat.py): `upsample_ratio` decoder
+    positions per source token reading a copy of the source, the CTC loss with glancing
+    annealed 0.5 -> 0.3 over `glance_steps`, argmax-and-collapse decoding."""
+    return defaults.section_config(
+        "nat",
+        objective="ctc",
+        decoder_inputs="copy",
+        upsample_ratio=upsample_ratio,
+        glance_steps=glance_steps,
+    )
+
+
 def get_config() -> ml_collections.ConfigDict:
     config = default.get_config()
     config.train.exposure_report = False  # an autoregressive report: no prefix to swap here

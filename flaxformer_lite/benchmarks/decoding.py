@@ -56,10 +56,12 @@ def decode_benchmark(
     uncached: bool = True,
     nat_iterations: tuple[int, ...] = (),
     nat_length_beam: int = 1,
+    ctc_ratios: tuple[float, ...] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length, and
-    non-autoregressive decoding at each of `nat_iterations` (with `nat_length_beam`)."""
+    """Greedy and beam tokens/s, cached vs uncached, per-step time vs prefix length,
+    non-autoregressive decoding at each of `nat_iterations` (with `nat_length_beam`), and
+    the CTC decoder's one pass at each upsampling ratio of `ctc_ratios`."""
     model = AutoregressiveModel(config)
     rng = np.random.default_rng(0)
     inputs = jnp.asarray(rng.integers(4, config.vocab_size, (batch, source_len)), jnp.int32)
@@ -69,19 +71,16 @@ def decode_benchmark(
         model, params, inputs, new_tokens=new_tokens, beam_size=beam_size, repeats=repeats,
         uncached=uncached, log=log,
     )  # fmt: skip
+    timed = dict(new_tokens=new_tokens, repeats=repeats, log=log)
     if nat_iterations:
-        results.update(
-            nat_timings(
-                config,
-                inputs,
-                new_tokens=new_tokens,
-                iterations=nat_iterations,
-                length_beam=nat_length_beam,
-                repeats=repeats,
-                log=log,
-            )
+        results |= nat_timings(
+            config, inputs, iterations=nat_iterations, length_beam=nat_length_beam, **timed
         )
-        _nat_speedups(results, nat_iterations, nat_length_beam, beam_size, log)
+        names = [f"nat_T{t}_l{nat_length_beam}" for t in nat_iterations]
+        _speedups(results, names, beam_size, log)
+    if ctc_ratios:
+        results |= ctc_timings(config, inputs, ratios=ctc_ratios, **timed)
+        _speedups(results, [f"ctc_r{r:g}" for r in ctc_ratios], beam_size, log)
     step_bytes = decoder_step_bytes(params, config)
     results.update(
         _prefix_step_timings(
@@ -106,16 +105,11 @@ def decode_benchmark(
     return results
 
 
-def _nat_speedups(
-    results: dict[str, float],
-    iterations: tuple[int, ...],
-    length_beam: int,
-    beam_size: int,
-    log: Callable[[str], None],
+def _speedups(
+    results: dict[str, float], names: list[str], beam_size: int, log: Callable[[str], None]
 ) -> None:
-    """Adds each NAT setting's speed-up over greedy and beam search to `results`, logged."""
-    for t in iterations:
-        name = f"nat_T{t}_l{length_beam}"
+    """Adds each named NAT run's speed-up over greedy and beam search to `results`, logged."""
+    for name in names:
         for base in ("greedy", f"beam{beam_size}"):
             results[f"{name}_speedup_over_{base}"] = results[f"{base}_s"] / results[f"{name}_s"]
         log(
@@ -185,6 +179,39 @@ def nat_timings(
         # max_len counts the appended EOS: the decoder fills new_tokens positions.
         cfg = NATSearch(max_len=new_tokens + 1, iterations=t, length_beam=length_beam)
         fn = jax.jit(lambda params, inputs, cfg=cfg: model.predict(params, {"inputs": inputs}, cfg))
+        results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
+        seconds, _ = _timed(lambda fn=fn: fn(params, inputs), repeats)
+        results[f"{name}_s"] = seconds
+        results[f"{name}_tokens_per_s"] = batch * new_tokens / seconds
+        log(
+            f"{name:>16}: {seconds:8.3f} s  {batch * new_tokens / seconds:9.1f} tokens/s  "
+            f"(compile {results[f'{name}_compile_s']:.1f} s)"
+        )
+    return results
+
+
+def ctc_timings(
+    config: TransformerConfig,
+    inputs: jax.Array,
+    *,
+    new_tokens: int,
+    ratios: tuple[float, ...],
+    repeats: int,
+    log: Callable[[str], None],
+) -> dict[str, float]:
+    """Seconds and tokens/s of the CTC decoder (`models/ctc_nat.py`): one decoder call over
+    ceil(ratio * source) positions, argmax and collapse, at most `new_tokens` tokens out
+    (tokens/s counts `new_tokens` per sentence, as the other runs do)."""
+    from flaxformer_lite.models.ctc_nat import CTCModel
+    from flaxformer_lite.models.non_autoregressive import NATSearch
+
+    shapes = {"inputs": (1, inputs.shape[1]), "targets": (1, 8)}
+    model = CTCModel(config)  # the parameters do not depend on the ratio
+    params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
+    batch, results, search = inputs.shape[0], {}, NATSearch(max_len=new_tokens + 1)
+    for ratio in ratios:
+        name, model = f"ctc_r{ratio:g}", CTCModel(config, upsample_ratio=ratio)
+        fn = jax.jit(lambda p, x, model=model: model.predict(p, {"inputs": x}, search))
         results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
         seconds, _ = _timed(lambda fn=fn: fn(params, inputs), repeats)
         results[f"{name}_s"] = seconds

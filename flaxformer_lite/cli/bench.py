@@ -343,6 +343,7 @@ def _decode(f, config, log) -> dict:
         uncached=f.uncached,
         nat_iterations=tuple(int(t) for t in f.nat_iterations),
         nat_length_beam=f.nat_length_beam,
+        ctc_ratios=tuple(float(r) for r in f.ctc_ratios),
         log=log,
     )
 

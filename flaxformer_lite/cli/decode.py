@@ -167,6 +167,20 @@ def _check_model_kind(o: Options, non_autoregressive: bool) -> None:
             raise line_io.InputError(f"{flag} applies to autoregressive workdirs only")
 
 
+def _check_ctc_options(o: Options) -> None:
+    """A CTC decoder's positions are upsampled source positions, not target tokens: what
+    reads one value per target token is undefined for it (`models/ctc_nat.py`)."""
+    for flag, why in (
+        ("score_tokens", "its log-likelihood sums over alignments, with no per-token split"),
+        ("alignment", "its decoder positions are upsampled source positions, not words"),
+        ("attention_png", "its decoder positions are upsampled source positions, not tokens"),
+    ):
+        if getattr(o, flag):
+            raise line_io.InputError(
+                f"--{flag} is undefined for a CTC workdir ({o.workdir}): {why}"
+            )
+
+
 def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> None:
     """Decodes (or scores) `o.input` into `o.output`, reporting on stderr.
 
@@ -184,6 +198,8 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     _check_options(o)
     run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
     _check_model_kind(o, run_config.nat is not None)
+    if run_config.nat is not None and run_config.nat.objective == "ctc":
+        _check_ctc_options(o)
     if input_lines.is_speech(run_config):
         _check_speech_options(o)
     search = None if o.score else _search(o, run_config)

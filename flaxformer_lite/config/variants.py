@@ -13,6 +13,7 @@ against the model, data and train sections that `run.parse` has already built.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 from collections.abc import Mapping
 
 import ml_collections
@@ -38,6 +39,7 @@ SAMPLING_MODES = ("off", "argmax", "sample", "soft")
 SAMPLING_SCHEDULES = ("linear", "exponential", "inverse_sigmoid", "constant")
 SAMPLING_GRADIENTS = ("last", "all")
 NAT_LENGTH_MODES = ("predict", "fixed")
+NAT_OBJECTIVES = ("cmlm", "ctc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +74,14 @@ class ScheduledSampling:
 
 @dataclasses.dataclass(frozen=True)
 class NATConfig:
-    """`nat` (optional section): a run config with it trains the non-autoregressive model
-    (models/non_autoregressive.py); `iterations` and `length_beam` are evaluation's."""
+    """`nat` (optional section): a run config with it trains a non-autoregressive model:
+    objective "cmlm" the length classifier and masked decoder of models/non_autoregressive.py
+    (Mask-Predict; `iterations` and `length_beam` are evaluation's), "ctc" the upsampled
+    decoder of models/ctc_nat.py (`upsample_ratio`, `glance_*`; no length field applies)."""
 
+    # cmlm: masked tokens, a length classifier, Mask-Predict | ctc: an upsampled source copy,
+    # the CTC loss with glancing, argmax-and-collapse decoding (needs decoder_inputs='copy')
+    objective: str = field("cmlm", one_of(*NAT_OBJECTIVES))
     length_mode: str = field("predict", one_of(*NAT_LENGTH_MODES))  # fixed: cut at first EOS
     length_classes: int = field(256, int_at_least(2))  # target - source offsets, centred
     length_loss_weight: float = field(0.1, number(0.0))  # beside the token loss (fairseq 0.1)
@@ -83,9 +90,24 @@ class NATConfig:
     masking: str = field("uniform", one_of("uniform", "all"))  # all: single-pass NAT
     iterations: int = field(10, POSITIVE)  # evaluation: Mask-Predict decoder calls
     length_beam: int = field(1, POSITIVE)  # evaluation: length candidates per source
+    # ctc: decoder positions = ceil(upsample_ratio * source tokens, EOS included)
+    upsample_ratio: float = field(3.0, number(1.0))
+    # ctc: the glancing ratio at step 0: revealed inputs = floor(ratio * wrong positions)
+    glance_start: float = field(0.5, number(0.0, 1.0, high_open=False))
+    # ctc: the ratio from glance_steps on (linear in between); 0 and 0: no glancing pass
+    glance_end: float = field(0.3, number(0.0, 1.0, high_open=False))
+    glance_steps: int = field(300_000, POSITIVE)  # ctc: steps of the linear anneal
 
     def __post_init__(self):
         check_fields(self, "nat")
+
+
+def upsampled_length(source_len, ratio: float):
+    """The ctc objective's decoder positions for `source_len` source tokens: ceil(ratio * S),
+    in integer arithmetic so that a Python int (a batch's width) and an int array (each
+    row's length) agree exactly, also for ratios such as 1.1."""
+    fraction = fractions.Fraction(ratio).limit_denominator(1000)
+    return -(-source_len * fraction.numerator // fraction.denominator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,10 +270,43 @@ def check_nat(nat, model, data, train, sampling) -> None:
             "nat.decoder_inputs='copy' copies source token embeddings, but the encoder reads "
             "features: use nat.decoder_inputs='mask'"
         )
+    if nat.objective == "ctc":
+        _check_ctc(nat, model, data, train)
     if nat.length_mode == "fixed" and nat.length_beam > 1:
         raise ConfigError(
             f"nat.length_beam={nat.length_beam} decodes several predicted lengths, but "
             "nat.length_mode='fixed' has one: set length_beam=1 or length_mode='predict'"
+        )
+
+
+def _check_ctc(nat, model, data, train) -> None:
+    ctc = "nat.objective='ctc'"
+    if nat.decoder_inputs != "copy":
+        raise ConfigError(
+            f"{ctc} feeds the decoder an upsampled copy of the source: set "
+            "nat.decoder_inputs='copy'"
+        )
+    for name, cmlm in (("length_mode", "predict"), ("masking", "uniform"), ("length_beam", 1)):
+        if getattr(nat, name) != cmlm:
+            raise ConfigError(
+                f"nat.{name}={getattr(nat, name)!r} is the cmlm objective's, but {ctc} takes "
+                f"its output length from the CTC collapse: drop nat.{name}"
+            )
+    if train.label_smoothing:
+        raise ConfigError(
+            f"train.label_smoothing={train.label_smoothing} smooths cross-entropy labels, but "
+            f"{ctc} trains with the CTC loss: set --config.train.label_smoothing=0"
+        )
+    if train.best_metric == "token_accuracy":
+        raise ConfigError(
+            f"train.best_metric='token_accuracy' needs a prediction per target token, which "
+            f"{ctc} has not: use loss, bleu or exact_match"
+        )
+    width = upsampled_length(data.max_source_len, nat.upsample_ratio)
+    if model.positions == "learned" and width > model.max_len:
+        raise ConfigError(
+            f"nat.upsample_ratio={nat.upsample_ratio} gives up to {width} decoder positions, "
+            f"more than model.max_len={model.max_len} learned positions: raise model.max_len"
         )
 
 

@@ -172,11 +172,22 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
         "loss": float(sums["loss"]) / tokens,
         "nll": nll,
         "perplexity": float(jnp.exp(jnp.minimum(nll, 50.0))),
-        "token_accuracy": float(sums["correct"]) / tokens,
-        "teacher_forced_sequence_accuracy": float(sums["seq_correct"]) / sequences,
     }
+    # A CTC decoder (`models/ctc_nat.py`) has no prediction per target token, and its
+    # training passes no sequence accuracy.
+    if "correct" in sums:
+        out["token_accuracy"] = float(sums["correct"]) / tokens
+    if "seq_correct" in sums:
+        out["teacher_forced_sequence_accuracy"] = float(sums["seq_correct"]) / sequences
     if "length_rows" in sums:  # a length classifier (`objectives/nat_loss.py`)
         rows = max(float(sums["length_rows"]), 1.0)
         out["length_loss"] = float(sums["length_loss"]) / rows
         out["length_accuracy"] = float(sums["length_correct"]) / rows
+    if "unalignable" in sums:  # targets longer than a CTC decoder's positions
+        out["unalignable"] = float(sums["unalignable"]) / sequences
+    if "aligned_positions" in sums:  # a CTC decoder's argmax against its best alignment
+        positions = max(float(sums["aligned_positions"]), 1.0)
+        out["aligned_accuracy"] = 1.0 - float(sums["aligned_errors"]) / positions
+        if "glanced" in sums:  # the share of decoder inputs glancing revealed
+            out["glanced"] = float(sums["glanced"]) / positions
     return out

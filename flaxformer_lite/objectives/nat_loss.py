@@ -31,10 +31,20 @@ def random_masks(rng: jax.Array, valid: jax.Array, masking: str) -> jax.Array:
     count_key, order_key = jax.random.split(rng)
     n = valid.sum(-1)  # [B]
     k = 1 + jnp.floor(jax.random.uniform(count_key, n.shape) * n).astype(jnp.int32)
-    k = jnp.minimum(k, n)
-    keys = jnp.where(valid, jax.random.uniform(order_key, valid.shape), 2.0)
+    return random_positions(order_key, valid, jnp.minimum(k, n))
+
+
+def random_positions(rng: jax.Array, valid: jax.Array, count: jax.Array) -> jax.Array:
+    """`count` positions of each row, drawn uniformly without replacement from its valid ones.
+
+    Args:
+      valid: bool[B, T]; count: int[B].
+    Returns:
+      bool[B, T], min(count, valid.sum(-1)) True per row, all at valid positions.
+    """
+    keys = jnp.where(valid, jax.random.uniform(rng, valid.shape), 2.0)
     rank = jnp.argsort(jnp.argsort(keys, axis=-1), axis=-1)  # 0 = the smallest key
-    return (rank < k[:, None]) & valid
+    return (rank < count[:, None]) & valid
 
 
 def length_metrics(

@@ -162,6 +162,8 @@ def make_nat_search(
     from flaxformer_lite.models.non_autoregressive import NATSearch
 
     nat = run_config.nat
+    if nat.objective == "ctc":
+        return _ctc_search(run_config, iterations, length_beam, length_scale, max_len, nbest)
     iterations = nat.iterations if iterations is None else iterations
     length_beam = nat.length_beam if length_beam is None else length_beam
     max_len = run_config.data.max_target_len if max_len is None else max_len
@@ -193,6 +195,26 @@ def make_nat_search(
     return NATSearch(
         max_len=max_len, iterations=iterations, length_beam=length_beam, length_scale=length_scale
     )
+
+
+def _ctc_search(run_config: RunConfig, iterations, length_beam, length_scale, max_len, nbest):
+    """The one search of a CTC workdir (`models/ctc_nat.py`): argmax, then the collapse."""
+    from flaxformer_lite.models.non_autoregressive import NATSearch
+
+    given = {"--iterations": iterations, "--length_beam": length_beam}
+    given["--length_scale"] = None if length_scale == 1.0 else length_scale
+    for flag, value in given.items():
+        if value is not None:
+            raise InputError(
+                f"{flag} applies to Mask-Predict workdirs; this one's CTC decoder decodes in "
+                "one pass and its length comes from the collapse: drop it"
+            )
+    if nbest > 1:
+        raise InputError(f"--nbest {nbest}: a CTC workdir decodes one output per input")
+    max_len = run_config.data.max_target_len if max_len is None else max_len
+    if max_len < 2:
+        raise InputError(f"need --max_len >= 2 (a token and EOS), got {max_len}")
+    return NATSearch(max_len=max_len)
 
 
 # Decoding.

@@ -232,6 +232,8 @@ PARAMETER_COUNTS = {
     "multi30k_deen": 7595008,
     "multi30k_ende": 7595008,
     "multi30k_ende_copy": 7595777,
+    "multi30k_ende_ctc": 7595008,  # multi30k_ende's: the CTC decoder adds no parameter
+    "multi30k_ende_ctc_distilled": 7595008,
     "multi30k_ende_nat": 7660544,
     "multi30k_ende_nat_distilled": 7660544,
     "names": 958464,
@@ -282,6 +284,8 @@ VARIANTS = {
     "nat": "default with a nat section (tests/unit/models/test_nat.py trains one)",
     "multi30k_ende_nat": "multi30k_ende with a nat section",
     "multi30k_ende_nat_distilled": "multi30k_ende_nat on another corpus directory",
+    "multi30k_ende_ctc": "multi30k_ende with a ctc nat section (test_ctc_nat.py trains one)",
+    "multi30k_ende_ctc_distilled": "multi30k_ende_ctc on another corpus directory",
     "wmt14_ende_big": "wmt14_ende_base at another size, which SHRINK trains at the same size",
     "tiny": "default shrunk; most of the suite trains it in-process",
     "copy": "default with a copy section (tests/unit/models/test_copy.py trains one)",

@@ -67,6 +67,16 @@ def test_decode_benchmark_reports_every_figure():
     assert results["step_weight_bytes"] == 4 * (2 * layer + v * d)
 
 
+def test_ctc_timings_report_each_ratio():
+    inputs = jnp.full((2, 5), 7, jnp.int32)
+    r = decoding.ctc_timings(
+        TINY, inputs, new_tokens=4, ratios=(1.5, 2.0), repeats=1, log=lambda s: None
+    )
+    for name in ("ctc_r1.5", "ctc_r2"):
+        assert r[f"{name}_compile_s"] > 0
+        assert r[f"{name}_tokens_per_s"] == pytest.approx(2 * 4 / r[f"{name}_s"]), name
+
+
 def _dot_flops(jaxpr) -> int:
     """2 * output size * contracted size, summed over every dot_general (sub-jaxprs too)."""
     total = 0
