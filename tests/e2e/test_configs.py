@@ -235,6 +235,9 @@ PARAMETER_COUNTS = {
     "multi30k_ende_ctc": 7595008,  # multi30k_ende's: the CTC decoder adds no parameter
     "multi30k_ende_ctc_distilled": 7595008,
     "multi30k_ende_nat": 7660544,
+    # 4 + 4 post-LN layers, d 128, d_ff 256, 8000 pieces padded to 8064 rows: by hand,
+    # 4 * 132480 + 4 * 198784 + 8064 * 128
+    "multi30k_ende_tiny": 2357248,
     "multi30k_ende_nat_distilled": 7660544,
     "names": 958464,
     "names_copy": 958849,
@@ -284,6 +287,7 @@ VARIANTS = {
     "nat": "default with a nat section (tests/unit/models/test_nat.py trains one)",
     "multi30k_ende_nat": "multi30k_ende with a nat section",
     "multi30k_ende_nat_distilled": "multi30k_ende_nat on another corpus directory",
+    "multi30k_ende_tiny": "multi30k_ende at another size and learning rate",
     "multi30k_ende_ctc": "multi30k_ende with a ctc nat section (test_ctc_nat.py trains one)",
     "multi30k_ende_ctc_distilled": "multi30k_ende_ctc on another corpus directory",
     "wmt14_ende_big": "wmt14_ende_base at another size, which SHRINK trains at the same size",
