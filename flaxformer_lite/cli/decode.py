@@ -195,14 +195,7 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     """
     from flaxformer_lite.training import restore
 
-    _check_options(o)
-    run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
-    _check_model_kind(o, run_config.nat is not None)
-    if run_config.nat is not None and run_config.nat.objective == "ctc":
-        _check_ctc_options(o)
-    if input_lines.is_speech(run_config):
-        _check_speech_options(o)
-    search = None if o.score else _search(o, run_config)
+    run_config, tokenizer, search = open_checked(o)
     if o.attention_png:
         num_layers = run_config.model.num_decoder_layers
         reports.check_attention_layer(o.attention_layer, num_layers)
@@ -228,6 +221,34 @@ def run(o: Options, on_inputs_checked: Callable[[], object] = lambda: None) -> N
     else:
         decoder = _line_decoder(o, model, params, tokenizer, run_config, search)
         _decode(o, decoder, lines, sources, references, phrase_ids)
+
+
+def open_checked(o: Options):
+    """(run config, tokenizer, search) of `o.workdir` once the flags passed decode.py's
+    checks, those of the workdir's model kind included; the search is None with `score`.
+    Reads no parameters (`line_decoder_of` restores them).
+
+    Raises:
+      InputError, WorkdirError, FileNotFoundError, StepSpecError: as `run`.
+    """
+    _check_options(o)
+    run_config, tokenizer = runner.open_workdir(o.workdir, o.step)
+    _check_model_kind(o, run_config.nat is not None)
+    if run_config.nat is not None and run_config.nat.objective == "ctc":
+        _check_ctc_options(o)
+    if input_lines.is_speech(run_config):
+        _check_speech_options(o)
+    return run_config, tokenizer, None if o.score else _search(o, run_config)
+
+
+def line_decoder_of(o: Options, run_config, tokenizer, search, log=log):
+    """The `LineDecoder` that decodes for `o`: its checkpoint restored (`o.step`,
+    `o.average`) and its flags' settings, as `run` builds it."""
+    from flaxformer_lite.training import restore
+
+    params, _ = restore.restore_params(o.workdir, o.step, average=o.average, log=log)
+    model = from_config.build_model(run_config)
+    return _line_decoder(o, model, params, tokenizer, run_config, search)
 
 
 def _read_constraints(o: Options, num_lines: int, tokenizer, search):

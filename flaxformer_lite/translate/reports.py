@@ -53,6 +53,11 @@ def tokenized_bleu_line(
 
 
 def multimodality_line(result, references: Sequence[str], target_vocab) -> str:
+    """`multimodality_of` as one line of decode.py's report."""
+    return multimodality_of(result, references, target_vocab).line()
+
+
+def multimodality_of(result, references: Sequence[str], target_vocab):
     """Repeated tokens and wrong lengths of the 1-best outputs (`evaluation/multimodality.py`),
     over the lines with a source. Outputs are compared as text, encoded as the references
     are: the pieces a model emits may segment the same text differently."""
@@ -61,7 +66,7 @@ def multimodality_line(result, references: Sequence[str], target_vocab) -> str:
     live = [i for i, ids in enumerate(result.sources.ids) if len(ids)]  # ids or frames
     outputs = [target_vocab.encode(result.texts[i]) for i in live]
     refs = [target_vocab.encode(references[i]) for i in live]
-    return multimodality.measure(outputs, refs).line()
+    return multimodality.measure(outputs, refs)
 
 
 def input_warnings(num_invalid_utf8: int, sources, max_source_len: int) -> list[str]:
