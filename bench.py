@@ -7,6 +7,8 @@ python bench.py --mode decode --nat_iterations 1,10 --ctc_ratios 2,3   # NAT nex
 python bench.py --mode sweep             # step time vs batch and length; 1/2/4/8 devices
 python bench.py --mode lower             # exported for cuda and tpu; collectives on 8 devices
 python bench.py --mode serve --serve_workdir W --serve_input test.en   # serve.py vs decode.py
+python bench.py --mode files --files_entry greedy=W:beam_size=1 --files_entry ctc=W2 \
+    --files_input test.en --files_reference test.de --files_limit 300   # workdirs in turn
 python bench.py --mode train --compare torch   # vs torch.nn.Transformer (pip install -e ".[torch]")
 python bench.py --mode decode --compare ctranslate2   # vs CTranslate2 on the same weights
 python bench.py --mode train --config configs/wmt14_ende_big.py   # a run config's model
@@ -27,12 +29,13 @@ from flaxformer_lite.cli import common, compilation_cache
 flags.DEFINE_enum(
     "mode",
     "all",
-    ["all", "train", "decode", "sweep", "input", "lower", "serve"],
+    ["all", "train", "decode", "sweep", "input", "lower", "serve", "files"],
     "What to measure. input: the training input pipeline alone (needs --config); with "
     "--config, train also times it, and prints the examples/s of both. lower: export every "
     "program for cuda and tpu from this host and print its custom calls, float32 matmuls "
     "and (on --lower_devices simulated devices) collectives. serve: serve.py under load "
-    "against decode.py on --serve_input (needs --serve_workdir).",
+    "against decode.py on --serve_input (needs --serve_workdir). files: trained workdirs "
+    "decoding --files_input in turn, as decode.py does (needs --files_entry).",
 )
 flags.DEFINE_integer(
     "input_batches", 50, "--mode input/train with --config: batches timed.", lower_bound=1
@@ -100,6 +103,17 @@ flags.DEFINE_string("serve_input", None, "--mode serve: source lines, one per re
 flags.DEFINE_integer("serve_clients", 32, "--mode serve: concurrent clients.", lower_bound=1)
 flags.DEFINE_integer("serve_slots", 32, "--mode serve: serve.py --slots.", lower_bound=1)
 flags.DEFINE_float("serve_duration", 20.0, "--mode serve: seconds of each open-loop load.")
+flags.DEFINE_multi_string(
+    "files_entry",
+    [],
+    "--mode files: LABEL=WORKDIR[:key=value,...], repeatable; keys: decode.py's beam_size, "
+    "alpha, iterations, length_beam, length_scale, max_len, step, average, batching "
+    "(e.g. beam4=/w/at:beam_size=4, mp10=/w/nat:iterations=10, ctc=/w/ctc).",
+)
+flags.DEFINE_string("files_input", None, "--mode files: the source lines to decode.")
+flags.DEFINE_string("files_reference", None, "--mode files: their references (BLEU, repeats).")
+flags.DEFINE_list("files_batches", ["1", "64"], "--mode files: batch sizes (decode.py's).")
+flags.DEFINE_integer("files_limit", 0, "--mode files: the first lines (0: all).", lower_bound=0)
 flags.DEFINE_enum(
     "compare",
     None,
