@@ -348,60 +348,17 @@ def _decode(f, config, log) -> dict:
     )
 
 
-def _serve(f, log) -> dict:
-    """--mode serve: `benchmarks/serve_load.py` on --serve_input."""
-    from flaxformer_lite.benchmarks import serve_load
-
-    return {
-        "serve": serve_load.run_file(
-            f.serve_workdir,
-            f.serve_input,
-            clients=f.serve_clients,
-            slots=f.serve_slots,
-            duration=f.serve_duration,
-            log=log,
-        )
-    }
-
-
-def _files(f, log) -> dict:
-    """--mode files: `benchmarks/file_speed.py` on --files_input; one line for a bad flag."""
-    from flaxformer_lite.benchmarks import file_speed
-    from flaxformer_lite.translate.line_io import InputError
-
-    try:
-        batches = [int(b) for b in f.files_batches]
-    except ValueError:
-        common.fail(f"--files_batches takes positive integers, got {','.join(f.files_batches)}")
-    if not f.files_input:
-        common.fail("--mode files decodes a file: pass --files_input")
-    try:
-        entries = [file_speed.parse_entry(spec) for spec in f.files_entry]
-        results = file_speed.run_files(
-            entries,
-            f.files_input,
-            f.files_reference,
-            batch_sizes=batches,
-            repeats=f.repeats,
-            limit=f.files_limit,
-            log=log,
-        )
-    except InputError as e:
-        common.fail(str(e))
-    return {"files": results}
-
-
 def run(opts: Options) -> dict:
     """Measures what the flags ask for, logs it, writes --json; returns the results."""
-    from flaxformer_lite.cli import host_memory
+    from flaxformer_lite.cli import bench_workdirs, host_memory
 
     f = opts.flags
     log = (lambda s: print(s, file=sys.stderr)) if f.json == "/dev/stdout" else print
     if f.mode in ("serve", "files") or f.length_sweep:
         if f.mode == "serve":
-            results = _serve(f, log)
+            results = bench_workdirs.serve(f, log)
         elif f.mode == "files":
-            results = _files(f, log)
+            results = bench_workdirs.files(f, log)
         else:
             results = {"length_sweep": _length_sweep(opts, log)}
         if f.json:

@@ -338,20 +338,16 @@ def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references, ph
         # progress=None: a bar only on a terminal.
         decoded, result = decoder.decode(lines, sources=sources, progress=None)
     else:
-        decoded, result = _decode_constrained(o, decoder, lines, sources, phrase_ids)
+        decoded, result = constraints.decode_records(
+            decoder, lines, sources, phrase_ids, batch_size=o.batch_size, nbest=o.nbest, log=log
+        )
     line_io.write_lines(o.output, [records.format_record(d, o.format, o.nbest) for d in decoded])
     log(reports.summary(result))
     if references is not None:
-        log(reports.bleu_report(result.texts, references))
-        lang, note = _bleu_lang(o, run_config)
-        log(
-            reports.tokenized_bleu_line(
-                result.texts, references, lang, lowercase=o.bleu_lowercase, note=note
-            )
-        )
-        if input_lines.is_speech(run_config):
-            log(reports.speech_report(result.texts, references))
-        log(reports.multimodality_line(result, references, Vocabularies.of(tokenizer).target))
+        for line in reports.reference_lines(
+            result, references, run_config, tokenizer, o.bleu_lang, o.bleu_lowercase
+        ):
+            log(line)
     if o.attention_png and o.attention_count:
         paths = reports.save_attention_pngs(
             model,
@@ -374,31 +370,6 @@ def _decode(o, decoder: line_decoder.LineDecoder, lines, sources, references, ph
             target_vocab=None if sources.oov is not None else Vocabularies.of(tokenizer).target,
         )
         log(report.table())
-
-
-def _bleu_lang(o: Options, run_config) -> tuple[str, str]:
-    """The language of the tokenized BLEU's Moses rules (--bleu_lang, else the run's
-    data.target_lang, else English), and a note for the line when it was assumed."""
-    if o.bleu_lang:
-        return o.bleu_lang, ""
-    if run_config.data.target_lang:
-        return run_config.data.target_lang, ""
-    return "en", " (lang en assumed: the run config names no data.target_lang; set --bleu_lang)"
-
-
-def _decode_constrained(o, decoder: line_decoder.LineDecoder, lines, sources, phrase_ids):
-    """`decoder.decode` with --constraints: (the records, the `runner.DecodeResult`)."""
-    result, unmet = constraints.decode_lines(
-        *(decoder.model, decoder.params, decoder.tokenizer, decoder.run_config),
-        *(sources, phrase_ids),
-        search=decoder.search,
-        batch_size=o.batch_size,
-        nbest=o.nbest,
-    )
-    if unmet:
-        log(constraints.unmet_warning(unmet, decoder.search.max_len))
-    target = Vocabularies.of(decoder.tokenizer).target
-    return records.decoded_lines(result, lines, target, scored=True), result
 
 
 def _score(o, model, params, tokenizer, run_config, sources, references) -> None:

@@ -187,6 +187,25 @@ def decode_lines(
     return result, unmet
 
 
+def decode_records(decoder, lines, sources, phrase_ids, *, batch_size: int, nbest: int, log):
+    """`decode_lines` for a `line_decoder.LineDecoder`'s model and search: (one
+    `records.Decoded` per line, the `runner.DecodeResult`); a warning is logged for the
+    lines whose constraints were not all met."""
+    from flaxformer_lite.translate import records
+
+    result, unmet = decode_lines(
+        *(decoder.model, decoder.params, decoder.tokenizer, decoder.run_config),
+        *(sources, phrase_ids),
+        search=decoder.search,
+        batch_size=batch_size,
+        nbest=nbest,
+    )
+    if unmet:
+        log(unmet_warning(unmet, decoder.search.max_len))
+    target = Vocabularies.of(decoder.tokenizer).target
+    return records.decoded_lines(result, lines, target, scored=True), result
+
+
 def _drop_empty_slots(result: runner.DecodeResult) -> list[int]:
     """Removes the hypotheses no beam filled (score NEG_INF) from `result`; returns the
     indices of the decoded lines left without any."""

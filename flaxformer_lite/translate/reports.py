@@ -52,6 +52,35 @@ def tokenized_bleu_line(
     return f"tokenized {out.format()} | {out.description}{note}"
 
 
+def reference_lines(
+    result, references: Sequence[str], run_config, tokenizer, bleu_lang: str, lowercase: bool
+) -> list[str]:
+    """What `decode.py --reference` reports: sacreBLEU and chrF, the tokenized BLEU4, the
+    word error rate of a speech run, and the multi-modality shares."""
+    from flaxformer_lite.data.tokenizer import Vocabularies
+    from flaxformer_lite.translate import input_lines
+
+    lang, note = resolve_bleu_lang(bleu_lang, run_config)
+    lines = [
+        bleu_report(result.texts, references),
+        tokenized_bleu_line(result.texts, references, lang, lowercase=lowercase, note=note),
+    ]
+    if input_lines.is_speech(run_config):
+        lines.append(speech_report(result.texts, references))
+    lines.append(multimodality_line(result, references, Vocabularies.of(tokenizer).target))
+    return lines
+
+
+def resolve_bleu_lang(requested: str, run_config) -> tuple[str, str]:
+    """The language of the tokenized BLEU's Moses rules (`requested`, else the run's
+    data.target_lang, else English), and a note for the line when it was assumed."""
+    if requested:
+        return requested, ""
+    if run_config.data.target_lang:
+        return run_config.data.target_lang, ""
+    return "en", " (lang en assumed: the run config names no data.target_lang; set --bleu_lang)"
+
+
 def multimodality_line(result, references: Sequence[str], target_vocab) -> str:
     """`multimodality_of` as one line of decode.py's report."""
     return multimodality_of(result, references, target_vocab).line()
