@@ -6,8 +6,9 @@ for Misconceived Reasons", their README-baseline): 4+4 post-LN layers, d_model 1
 linear warm-up updates then inverse square root decay, 4096 tokens per batch, the average
 of the last checkpoints, beam 5, BLEU4 on lowercased Moses-tokenized text (reported here
 by `bleu.tokenized_bleu`, beside sacreBLEU). Differences from it, each a choice of this
-recipe: a SentencePiece unigram vocabulary of 8000 pieces over the cased raw text (theirs:
-BPE over lowercased tokenized text), label smoothing 0.1 and gradient clipping at 1.0.
+recipe: pre-LN (chosen on validation), a SentencePiece unigram vocabulary of 8000 pieces
+over the cased raw text (theirs: BPE over lowercased tokenized text), label smoothing 0.1
+and gradient clipping at 1.0.
 
     python train.py --config configs/multi30k_ende_tiny.py --workdir workdirs/m30k_tiny
 """
@@ -32,7 +33,10 @@ def get_config() -> ml_collections.ConfigDict:
     m.num_decoder_layers = 4
     m.dropout_rate = 0.3
     m.attention_dropout_rate = 0.0
-    m.norm = "post"  # fairseq's transformer default (normalize_before=False)
+    # fairseq's transformer default is post-LN (normalize_before=False); here, at the same
+    # 1000 steps, post-LN reached validation BLEU 8.88 (greedy) and pre-LN 23.37
+    # (docs/results.md), so the recipe is pre-LN.
+    m.norm = "pre"
 
     d = config.data
     d.max_tokens = 4096

@@ -235,9 +235,9 @@ PARAMETER_COUNTS = {
     "multi30k_ende_ctc": 7595008,  # multi30k_ende's: the CTC decoder adds no parameter
     "multi30k_ende_ctc_distilled": 7595008,
     "multi30k_ende_nat": 7660544,
-    # 4 + 4 post-LN layers, d 128, d_ff 256, 8000 pieces padded to 8064 rows: by hand,
-    # 4 * 132480 + 4 * 198784 + 8064 * 128
-    "multi30k_ende_tiny": 2357248,
+    # 4 + 4 pre-LN layers, d 128, d_ff 256, 8000 pieces padded to 8064 rows: by hand,
+    # 4 * 132480 + 4 * 198784 + 8064 * 128, plus the two stacks' final LayerNorms (2 * 256)
+    "multi30k_ende_tiny": 2357760,
     "multi30k_ende_nat_distilled": 7660544,
     "names": 958464,
     "names_copy": 958849,
