@@ -173,21 +173,28 @@ def nat_timings(
     model = NonAutoregressiveModel(config)
     shapes = {"inputs": (1, inputs.shape[1]), "targets": (1, 8)}
     params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
-    batch, results = inputs.shape[0], {}
+    results = {}
     for t in iterations:
         name = f"nat_T{t}_l{length_beam}"
         # max_len counts the appended EOS: the decoder fills new_tokens positions.
         cfg = NATSearch(max_len=new_tokens + 1, iterations=t, length_beam=length_beam)
         fn = jax.jit(lambda params, inputs, cfg=cfg: model.predict(params, {"inputs": inputs}, cfg))
-        results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
-        seconds, _ = _timed(lambda fn=fn: fn(params, inputs), repeats)
-        results[f"{name}_s"] = seconds
-        results[f"{name}_tokens_per_s"] = batch * new_tokens / seconds
-        log(
-            f"{name:>16}: {seconds:8.3f} s  {batch * new_tokens / seconds:9.1f} tokens/s  "
-            f"(compile {results[f'{name}_compile_s']:.1f} s)"
-        )
+        results.update(_time_one_pass(name, fn, params, inputs, new_tokens, repeats, log))
     return results
+
+
+def _time_one_pass(name, fn, params, inputs, new_tokens: int, repeats: int, log) -> dict:
+    """Compile seconds, seconds and tokens/s of a non-autoregressive decoder `fn(params,
+    inputs)` (tokens/s counts `new_tokens` per sentence), logged on one line."""
+    compile_s = _compile_seconds(fn, params, inputs)
+    seconds, _ = _timed(lambda: fn(params, inputs), repeats)
+    tokens_per_s = inputs.shape[0] * new_tokens / seconds
+    log(f"{name:>16}: {seconds:8.3f} s  {tokens_per_s:9.1f} tokens/s  (compile {compile_s:.1f} s)")
+    return {
+        f"{name}_compile_s": compile_s,
+        f"{name}_s": seconds,
+        f"{name}_tokens_per_s": tokens_per_s,
+    }
 
 
 def ctc_timings(
@@ -208,18 +215,11 @@ def ctc_timings(
     shapes = {"inputs": (1, inputs.shape[1]), "targets": (1, 8)}
     model = CTCModel(config)  # the parameters do not depend on the ratio
     params = jax.jit(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), shapes)))()
-    batch, results, search = inputs.shape[0], {}, NATSearch(max_len=new_tokens + 1)
+    results, search = {}, NATSearch(max_len=new_tokens + 1)
     for ratio in ratios:
         name, model = f"ctc_r{ratio:g}", CTCModel(config, upsample_ratio=ratio)
         fn = jax.jit(lambda p, x, model=model: model.predict(p, {"inputs": x}, search))
-        results[f"{name}_compile_s"] = _compile_seconds(fn, params, inputs)
-        seconds, _ = _timed(lambda fn=fn: fn(params, inputs), repeats)
-        results[f"{name}_s"] = seconds
-        results[f"{name}_tokens_per_s"] = batch * new_tokens / seconds
-        log(
-            f"{name:>16}: {seconds:8.3f} s  {batch * new_tokens / seconds:9.1f} tokens/s  "
-            f"(compile {results[f'{name}_compile_s']:.1f} s)"
-        )
+        results.update(_time_one_pass(name, fn, params, inputs, new_tokens, repeats, log))
     return results
 
 

@@ -105,6 +105,25 @@ def evaluate(
     """
     detokenize = row_detokenizer(dataset, tokenizer_lib.Vocabularies.of(tokenizer).target)
     n = len(dataset) if max_batches is None else min(len(dataset), max_batches)
+    out = _run_batches(
+        params, dataset, n, mesh, eval_fn, decode_fn, detokenize, exposure, should_stop
+    )
+    refs = references[: len(out.hyps)]
+    metrics, signature, tok_description = _corpus_metrics(
+        out.totals, out.hyps, refs, wer=wer, bleu=bleu, bleu_lang=bleu_lang
+    )
+    report = None
+    if exposure is not None:
+        report = exposure.report(out.probed)
+        metrics.update(report.metrics())
+    return Evaluation(metrics, list(zip(out.hyps, refs)), signature, report, tok_description)
+
+
+def _run_batches(
+    params, dataset, n, mesh, eval_fn, decode_fn, detokenize, exposure, should_stop
+) -> _Outputs:
+    """The first `n` batches: metric sums, hypotheses and (with `exposure`) the probe's
+    arrays; `Stopped` when `should_stop` says so before a batch or before its probe."""
     out = _Outputs()
     stop = should_stop or (lambda: False)
     for i in range(n):
@@ -118,15 +137,7 @@ def evaluate(
             with jax.set_mesh(mesh):
                 arrays = exposure.arrays(params, batch, decoded)
             out.probed.append(arrays.rows(host["valid"]))
-    refs = references[: len(out.hyps)]
-    metrics, signature, tok_description = _corpus_metrics(
-        out.totals, out.hyps, refs, wer=wer, bleu=bleu, bleu_lang=bleu_lang
-    )
-    report = None
-    if exposure is not None:
-        report = exposure.report(out.probed)
-        metrics.update(report.metrics())
-    return Evaluation(metrics, list(zip(out.hyps, refs)), signature, report, tok_description)
+    return out
 
 
 @dataclasses.dataclass
