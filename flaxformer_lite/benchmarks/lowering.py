@@ -45,6 +45,10 @@ FP32_BY_DESIGN = {
     "of the encoder outputs, a few kFLOPs per example",
     "bts,bsr->btr": "copy loss: attention mass summed over repeated source pieces, a "
     "product of probabilities kept in float32 (bf16 would round the small copy mass)",
+    "btk,bnk->btn": "CTC loss (optax.ctc_loss): each label's log-probability picked from "
+    "[B, T, V] by a float32 one-hot matmul, B*T*N*V multiply-adds; a loss stays float32",
+    "bn,bn->b": "CTC loss (optax.ctc_loss): the final lattice states picked by a one-hot "
+    "product, [B, N] per row",
     "hsd,hsd->hs": "splash backward (Pallas library code): the row sums of dO * O over "
     "the head dim, a float32 reduction the kernels take as input",
 }

@@ -135,6 +135,12 @@ def _nat_model():
     return NonAutoregressiveModel(small_config(), label_smoothing=0.1)
 
 
+def _ctc_model():
+    from flaxformer_lite.models.ctc_nat import CTCModel
+
+    return CTCModel(small_config(max_len=1024), upsample_ratio=2.0)
+
+
 def _search(model_fn, search_fn):
     def build():
         model = model_fn()
@@ -234,6 +240,8 @@ PROGRAMS: dict[str, Program] = {
         ),
         Program("train_copy", "train step, copy head", lambda: None),
         Program("train_nat", "train step, NAT (CMLM + length)", lambda: None),
+        Program("train_ctc", "train step, CTC + glancing (2x upsampled)", lambda: None),
+        Program("ctc_decode", "CTC one pass (argmax, collapse)", lambda: None),
         Program("greedy", "greedy search, KV cache", _search(_autoregressive, _greedy)),
         Program("beam", "beam search (4), KV cache", _search(_autoregressive, _beam)),
         Program("nat_decode", "Mask-Predict (4 iterations, 2 lengths)", lambda: None),
@@ -256,6 +264,10 @@ PROGRAMS["train_scan_remat"] = dataclasses.replace(
     PROGRAMS["train_scan_remat"], build=_lazy_train(_scan_remat_model)
 )
 PROGRAMS["train_copy"] = dataclasses.replace(PROGRAMS["train_copy"], build=_lazy_train(_copy_model))
+PROGRAMS["train_ctc"] = dataclasses.replace(PROGRAMS["train_ctc"], build=_lazy_train(_ctc_model))
+PROGRAMS["ctc_decode"] = dataclasses.replace(
+    PROGRAMS["ctc_decode"], build=_search(_ctc_model, lambda: _nat_search().__class__(max_len=T))
+)
 PROGRAMS["train_nat"] = dataclasses.replace(PROGRAMS["train_nat"], build=_lazy_train(_nat_model))
 PROGRAMS["nat_decode"] = dataclasses.replace(
     PROGRAMS["nat_decode"], build=_search(_nat_model, _nat_search)
