@@ -11,6 +11,11 @@ over the cased raw text (theirs: BPE over lowercased tokenized text), label smoo
 and gradient clipping at 1.0.
 
     python train.py --config configs/multi30k_ende_tiny.py --workdir workdirs/m30k_tiny
+    python decode.py --workdir workdirs/m30k_tiny --average 10 --beam_size 5 --alpha 1.4
+
+Measured on 2 CPU cores (docs/results.md): 82 minutes of training; with the average of
+the last 10 checkpoints, beam 5 and alpha 1.4 (chosen on val), test_2016_flickr gives
+40.45 tokenized BLEU4 and 40.08 sacreBLEU.
 """
 
 import ml_collections
@@ -52,6 +57,10 @@ def get_config() -> ml_collections.ConfigDict:
     t.num_steps = 8000
     t.eval_every = 2000
     t.eval_search = "greedy"  # cheap validation BLEU during training; beam at the end
+    # What validation chose for the averaged final model (docs/results.md), for a run
+    # that evaluates with --config.train.eval_search=beam.
+    t.eval_beam_size = 5
+    t.eval_alpha = 1.4
     t.checkpoint_every = 250
     t.keep_checkpoints = 10  # decode.py --average 10 averages these
     return config
