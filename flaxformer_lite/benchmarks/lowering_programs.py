@@ -185,6 +185,12 @@ def _nat_search():
     return NATSearch(max_len=T, iterations=4, length_beam=2)
 
 
+def _ctc_search():
+    from flaxformer_lite.models.non_autoregressive import NATSearch
+
+    return NATSearch(max_len=T)  # CTC decoding reads max_len only: one pass
+
+
 SLOTS, BEAMS, STEPS_PER_SYNC = 8, 4, 4  # a serving pool: 8 sentences of 4 beams
 
 
@@ -266,7 +272,7 @@ PROGRAMS["train_scan_remat"] = dataclasses.replace(
 PROGRAMS["train_copy"] = dataclasses.replace(PROGRAMS["train_copy"], build=_lazy_train(_copy_model))
 PROGRAMS["train_ctc"] = dataclasses.replace(PROGRAMS["train_ctc"], build=_lazy_train(_ctc_model))
 PROGRAMS["ctc_decode"] = dataclasses.replace(
-    PROGRAMS["ctc_decode"], build=_search(_ctc_model, lambda: _nat_search().__class__(max_len=T))
+    PROGRAMS["ctc_decode"], build=_search(_ctc_model, _ctc_search)
 )
 PROGRAMS["train_nat"] = dataclasses.replace(PROGRAMS["train_nat"], build=_lazy_train(_nat_model))
 PROGRAMS["nat_decode"] = dataclasses.replace(
