@@ -29,14 +29,21 @@ def _losses(workdir):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
 
 
-@pytest.mark.parametrize("batching", ["bucket", "pack"])
-def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path, batching):
-    """One uninterrupted run, checkpointed at STOP and STEPS; a copy of it with the
-    last checkpoint removed is resumed from STOP, which must reproduce it exactly."""
+@pytest.mark.parametrize(("batching", "stopped"), [("bucket", "killed"), ("pack", "finished")])
+def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path, batching, stopped):
+    """One uninterrupted run, checkpointed at STOP and STEPS, against one resumed from STOP:
+    killed (a copy of the run with its last checkpoint removed), or finished (a run of
+    num_steps=STOP, evaluated, then continued with num_steps=STEPS). The resumed run must
+    reproduce the uninterrupted one exactly."""
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     loop.train_and_evaluate(parse(_config(tfds_dir, batching, STEPS)), straight, log=lambda s: None)
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(os.path.join(resumed, CHECKPOINT_DIR, str(STEPS)))
+    if stopped == "killed":
+        shutil.copytree(straight, resumed)
+        shutil.rmtree(os.path.join(resumed, CHECKPOINT_DIR, str(STEPS)))
+    else:
+        loop.train_and_evaluate(
+            parse(_config(tfds_dir, batching, STOP)), resumed, log=lambda s: None
+        )
     with open(os.path.join(resumed, "metrics.jsonl"), "w"):
         pass  # the continuation's records alone
     messages = []

@@ -11,7 +11,7 @@ import pytest
 from conftest import TRAINED_TINY_STEPS, tiny_config
 
 from flaxformer_lite.config.run import parse
-from flaxformer_lite.training import checkpoint_format, checkpoints, load_state, loop
+from flaxformer_lite.training import checkpoint_format, checkpoints, loop
 from flaxformer_lite.training.checkpoint_format import CheckpointIntegrityError
 from flaxformer_lite.training.workdir import WorkdirError
 
@@ -46,30 +46,6 @@ def test_tiny_config_learns(tfds_dir, tmp_path):
     assert "prefix swap" in table and "by length" in table
     (shown,) = [m for m in logs if m.startswith("step 300 test:")]
     assert "eb_accuracy_gap=" in shown and "eb_prefix" not in shown  # details: jsonl only
-
-
-def test_resume_equals_uninterrupted_run(tfds_dir, tmp_path):
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    quiet = lambda s: None  # noqa: E731
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=20)), straight, log=quiet)
-    loop.train_and_evaluate(parse(tiny_config(tfds_dir, num_steps=10)), resumed, log=quiet)
-    messages = []
-    loop.train_and_evaluate(
-        parse(tiny_config(tfds_dir, num_steps=20)), resumed, log=messages.append
-    )
-    assert any("resumed from step 10" in m for m in messages)
-
-    _, a, _, _ = load_state.restore_trained(straight)
-    _, b, _, _ = load_state.restore_trained(resumed)
-    assert int(a.step) == int(b.step) == 20
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
-    # Next-step losses after the resume point equal the uninterrupted run's.
-    losses_a = {r["step"]: r["loss"] for r in _train_records(straight) if r["step"] > 10}
-    losses_b = {r["step"]: r["loss"] for r in _train_records(resumed) if r["step"] > 10}
-    assert losses_a.keys() == losses_b.keys() == {15, 20}
-    for step in losses_a:
-        assert losses_b[step] == pytest.approx(losses_a[step], rel=1e-6)
 
 
 def test_checkpoints_store_the_data_iterator_state(trained_tiny, tfds_dir, tmp_path):
