@@ -1,5 +1,7 @@
 """The convolutional front end (nn/subsampling.py): lengths, validity, padding never leaks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,7 +101,12 @@ def test_validity_unchanged_without_subsampling():
 
 def encode(model, params, inputs, valid):
     m, _ = model
-    return m.module.apply({"params": params}, inputs, valid, method="encode")
+    return _encode(m.module, params, inputs, valid)
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one compile per shape, not one per op
+def _encode(module, params, inputs, valid):
+    return module.apply({"params": params}, inputs, valid, method="encode")
 
 
 def test_garbage_padding_and_batching_do_not_change_valid_outputs(model):
@@ -114,8 +121,8 @@ def test_garbage_padding_and_batching_do_not_change_valid_outputs(model):
         assert alone.shape[1] == n
         np.testing.assert_allclose(out_dirty[i, :n], np.asarray(alone[0]), atol=2e-5, rtol=1e-5)
     # The loss (encoder, cross-attention masks, decoder) does not see the garbage either.
-    loss_clean = m.loss(params, clean, jax.random.PRNGKey(3), 0)[0]
-    loss_dirty = m.loss(params, dirty, jax.random.PRNGKey(3), 0)[0]
+    loss = jax.jit(lambda p, b: m.loss(p, b, jax.random.PRNGKey(3), 0)[0])
+    loss_clean, loss_dirty = loss(params, clean), loss(params, dirty)
     np.testing.assert_allclose(loss_clean, loss_dirty, rtol=1e-5)
 
 
@@ -159,9 +166,9 @@ def test_without_subsampling_the_feature_model_is_unchanged():
     losses = []
     for cfg in (plain, explicit):
         m = AutoregressiveModel(cfg)
-        params = m.init(jax.random.PRNGKey(0), shapes)
+        params = jax.jit(lambda key, m=m: m.init(key, shapes))(jax.random.PRNGKey(0))
         assert set(params["encoder"]) == {"input_projection", "layer_0"}
-        losses.append(m.loss(params, b, jax.random.PRNGKey(3), 0)[0])
+        losses.append(jax.jit(lambda p, m=m: m.loss(p, b, jax.random.PRNGKey(3), 0)[0])(params))
     assert losses[0] == losses[1]
 
 
