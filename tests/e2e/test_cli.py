@@ -56,8 +56,9 @@ def test_dry_run_base_config_prints_total():
 
 
 # One train.py per way a mistake reaches the user: an unknown key, a value the flag parser
-# rejects, a ConfigError from validation (every validation message is checked in process:
-# tests/e2e/test_configs.py), a missing file, a field that moved.
+# rejects, a ConfigError from validation, a missing file, a field that moved. The validation
+# messages themselves are checked in process (tests/e2e/test_configs.py for train.*,
+# tests/unit/data/test_registry.py and test_names.py for data.names.*).
 @pytest.mark.parametrize(
     "flags, words",
     [
